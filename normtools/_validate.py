@@ -1,0 +1,85 @@
+"""Input checks shared by every normtools op (RMSNorm, LayerNorm, QK-Norm).
+
+Each check raises a clear ``TypeError`` (wrong kind of object or dtype) or ``ValueError`` (wrong
+shape, device or value) before anything is launched.
+"""
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CASTINGS = ("llama", "gemma")
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _dtype_names():
+    return ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+
+
+def check_input(x, name="x"):
+    """x must be a floating tensor of a supported dtype with at least one dimension."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are {_dtype_names()}")
+    if x.dim() == 0:
+        raise ValueError(f"{name} must have at least one dimension (the normalized one)")
+
+
+def check_like(other, x, name, other_x_name="x"):
+    """``other`` (e.g. the residual) must match x in shape, dtype and device."""
+    check_input(other, name)
+    if other.shape != x.shape:
+        raise ValueError(f"{name} has shape {tuple(other.shape)}, expected {other_x_name}'s "
+                         f"shape {tuple(x.shape)}")
+    if other.dtype != x.dtype:
+        raise TypeError(f"{name} has dtype {other.dtype}, expected {other_x_name}'s dtype {x.dtype}")
+    if other.device != x.device:
+        raise ValueError(f"{name} is on {other.device} but {other_x_name} is on {x.device}")
+
+
+def check_param(param, x, name):
+    """An optional per-feature parameter (weight, bias): None, or shape (N,) with N = x.shape[-1],
+    on x's device, of dtype float32 or x's dtype."""
+    if param is None:
+        return
+    if not isinstance(param, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(param).__name__}")
+    n = x.shape[-1]
+    if param.shape != (n,):
+        raise ValueError(f"{name} has shape {tuple(param.shape)}, expected ({n},) "
+                         f"to match the last dimension of x")
+    if param.device != x.device:
+        raise ValueError(f"{name} is on {param.device} but x is on {x.device}")
+    if param.dtype not in (torch.float32, x.dtype):
+        raise TypeError(f"{name} has dtype {param.dtype}; supported are float32 or x's dtype "
+                        f"({x.dtype})")
+
+
+def check_eps(eps):
+    """eps must be a finite real number > 0."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a float, got {type(eps).__name__}")
+    if not math.isfinite(eps) or eps <= 0:
+        raise ValueError(f"eps must be finite and > 0, got {eps}")
+
+
+def check_offset(offset):
+    """offset (added to the weight in float32) must be a finite real number."""
+    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+        raise TypeError(f"offset must be a float, got {type(offset).__name__}")
+    if not math.isfinite(offset):
+        raise ValueError(f"offset must be finite, got {offset}")
+
+
+def check_casting(casting):
+    """casting must be one of CASTINGS."""
+    if casting not in CASTINGS:
+        raise ValueError(f"unknown casting {casting!r}; expected one of {', '.join(CASTINGS)}")
+
+
+def check_backend(backend):
+    """backend must be one of BACKENDS."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")

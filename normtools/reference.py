@@ -1,0 +1,145 @@
+"""Reference math of RMSNorm and LayerNorm in plain PyTorch: the few lines that compute them.
+
+These functions are the single source of truth for the numerics of normtools. They are written
+with the same PyTorch operations, in the same order, as the Hugging Face transformers modules,
+so that they reproduce them bit for bit (``torch.equal``) for the same input and weight dtypes:
+
+* ``casting="llama"`` — ``LlamaRMSNorm``, ``Qwen3RMSNorm``, ``MiniMaxM2RMSNorm``:
+  normalize in float32, cast the normalized row back to the input dtype, then multiply by the
+  weight (with PyTorch type promotion: a float32 weight and a bfloat16 input give float32).
+* ``casting="gemma"`` — ``Gemma3RMSNorm`` (offset 1), ``Olmo2RMSNorm`` and ``GptOssRMSNorm``
+  (offset 0): normalize and multiply by the weight in float32, then cast to the input dtype.
+
+Statistics (the inverse RMS, the mean and variance of LayerNorm) are always float32. The offset
+of a "zero-centred" weight (Gemma's ``1 + w``) is always added in float32: in bfloat16,
+``1 + 0.0039`` rounds to ``1``.
+
+The backward functions give the analytic gradients in float32 from the saved statistics; they
+are what ``backend="torch"`` runs in the backward pass of the normtools custom ops.
+"""
+
+import torch
+
+__all__ = [
+    "inv_rms",
+    "rms_norm_output_dtype",
+    "rms_norm_reference",
+    "rms_norm_backward_reference",
+    "layer_norm_statistics",
+    "layer_norm_reference",
+    "layer_norm_backward_reference",
+]
+
+
+def inv_rms(x, eps):
+    """Inverse root mean square over the last dimension, in float32, keeping that dimension.
+
+    r = rsqrt(mean(x.float()², -1) + eps)
+    """
+    x = x.to(torch.float32)
+    return torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+def rms_norm_output_dtype(x_dtype, weight_dtype, casting):
+    """Dtype of an RMSNorm output.
+
+    "gemma" casts the float32 product back to the input dtype. "llama" multiplies the weight by
+    the normalized row cast to the input dtype, so PyTorch's type promotion decides:
+    ``promote(weight_dtype, x_dtype)`` (a float32 weight with a bfloat16 input gives float32).
+    Without a weight the output has the input dtype.
+    """
+    if casting == "llama" and weight_dtype is not None:
+        return torch.promote_types(weight_dtype, x_dtype)
+    return x_dtype
+
+
+def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
+    """RMSNorm over the last dimension.
+
+    With x̂ = x.float() · r and r = rsqrt(mean(x.float()², -1) + eps):
+
+    * casting="llama":  y = (offset + w) · x̂.to(x.dtype)       (product rounded once to
+      promote(w.dtype, x.dtype); with offset 0 this is exactly ``w * x̂.to(x.dtype)``)
+    * casting="gemma":  y = (x̂ · (offset + w.float())).to(x.dtype)
+
+    ``weight=None`` means no learned scale: y = x̂ in the output dtype (the offset is unused).
+    """
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)
+    hidden = hidden * inv_rms(hidden, eps)
+    if weight is None:
+        return hidden.to(input_dtype)
+    out_dtype = rms_norm_output_dtype(input_dtype, weight.dtype, casting)
+    scale = offset + weight.to(torch.float32)
+    if casting == "llama":
+        return (scale * hidden.to(input_dtype)).to(out_dtype)
+    return (hidden * scale).to(out_dtype)
+
+
+def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
+    """Gradients of RMSNorm from the saved float32 inverse RMS ``rstd`` (shape ``(..., 1)``).
+
+    With x̂ = x · r, y = s ⊙ x̂ and s = offset + w (s = 1 without a weight), and g = s ⊙ dy:
+
+        dx = r · (g − x̂ · mean(x̂ ⊙ g, -1))
+        dw = Σ_rows dy ⊙ x̂
+
+    (the cast of x̂ to the input dtype in "llama" casting is treated as the identity).
+    Returns (dx in x.dtype, dw in weight.dtype or None); all math in float32.
+    """
+    dy32 = dy.to(torch.float32)
+    x_hat = x.to(torch.float32) * rstd
+    g = dy32 if weight is None else dy32 * (offset + weight.to(torch.float32))
+    dx = rstd * (g - x_hat * (x_hat * g).mean(-1, keepdim=True))
+    if weight is None:
+        return dx.to(x.dtype), None
+    dw = (dy32 * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    return dx.to(x.dtype), dw.to(weight.dtype)
+
+
+def layer_norm_statistics(x, eps):
+    """Mean and inverse standard deviation over the last dimension, in float32, keepdim.
+
+    mean = mean(x.float(), -1),  rstd = rsqrt(mean((x.float() − mean)², -1) + eps)
+    (the biased variance, as ``torch.nn.LayerNorm``).
+    """
+    x = x.to(torch.float32)
+    mean = x.mean(-1, keepdim=True)
+    rstd = torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)
+    return mean, rstd
+
+
+def layer_norm_reference(x, weight=None, bias=None, eps=1e-5):
+    """LayerNorm over the last dimension, computed in float32 and cast to x.dtype.
+
+    y = ((x − mean) · rstd · w + b).to(x.dtype), mean and rstd from ``layer_norm_statistics``;
+    w = 1 and b = 0 when absent.
+    """
+    mean, rstd = layer_norm_statistics(x, eps)
+    y = (x.to(torch.float32) - mean) * rstd
+    if weight is not None:
+        y = y * weight.to(torch.float32)
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(x.dtype)
+
+
+def layer_norm_backward_reference(dy, x, weight, bias, mean, rstd):
+    """Gradients of LayerNorm from the saved float32 ``mean`` and ``rstd`` (shape ``(..., 1)``).
+
+    With x̂ = (x − mean) · r, y = w ⊙ x̂ + b and g = w ⊙ dy (g = dy without a weight):
+
+        dx = r · (g − mean(g, -1) − x̂ · mean(x̂ ⊙ g, -1))
+        dw = Σ_rows dy ⊙ x̂,    db = Σ_rows dy
+
+    Returns (dx in x.dtype, dw in weight.dtype or None, db in bias.dtype or None); all math in
+    float32.
+    """
+    n = x.shape[-1]
+    dy32 = dy.to(torch.float32)
+    x_hat = (x.to(torch.float32) - mean) * rstd
+    g = dy32 if weight is None else dy32 * weight.to(torch.float32)
+    dx = rstd * (g - g.mean(-1, keepdim=True) - x_hat * (x_hat * g).mean(-1, keepdim=True))
+    dw = None if weight is None else (dy32 * x_hat).reshape(-1, n).sum(0).to(weight.dtype)
+    db = None if bias is None else dy32.reshape(-1, n).sum(0).to(bias.dtype)
+    return dx.to(x.dtype), dw, db
