@@ -1,0 +1,5 @@
+import sys
+
+from normtools.cli import main
+
+sys.exit(main())

@@ -1,0 +1,82 @@
+"""Execute the book's chapters headless and keep stored notebooks free of volatile metadata.
+
+Used by the Makefile (``python -m normtools.book_build execute|strip ...``):
+
+* ``execute SRC DST``: run one chapter with papermill (its default parameters, one kernel, a
+  per-cell timeout) and write the executed copy, stripped, to DST. A cell that raises makes the
+  command exit non-zero.
+* ``strip NB...``: remove timestamps, durations and execution counts' volatile metadata in place.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+# Keys whose values change at every execution (timestamps, durations, papermill's status).
+VOLATILE_NOTEBOOK_KEYS = ("papermill",)
+VOLATILE_CELL_KEYS = ("papermill", "execution", "ExecuteTime")
+
+
+def strip_volatile_metadata(notebook: dict) -> dict:
+    """Return ``notebook`` without execution timestamps, durations or papermill status.
+
+    Cell outputs are kept: they are what nbval checks and what the book shows.
+    """
+    for key in VOLATILE_NOTEBOOK_KEYS:
+        notebook.get("metadata", {}).pop(key, None)
+    for cell in notebook.get("cells", []):
+        for key in VOLATILE_CELL_KEYS:
+            cell.get("metadata", {}).pop(key, None)
+        if cell.get("cell_type") == "code":
+            for output in cell.get("outputs", []):
+                output.get("metadata", {}).pop("execution", None)
+    return notebook
+
+
+def strip_file(path: Path) -> bool:
+    """Strip one notebook file in place; return whether it changed."""
+    text = path.read_text()
+    stripped = json.dumps(strip_volatile_metadata(json.loads(text)), indent=1, ensure_ascii=False) + "\n"
+    if stripped != text:
+        path.write_text(stripped)
+        return True
+    return False
+
+
+def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_timeout: int = 600,
+            cwd: Path | None = None) -> None:
+    """Run ``source`` with papermill (default parameters) and write it, stripped, to ``destination``."""
+    import papermill
+
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    papermill.execute_notebook(
+        str(source), str(destination), kernel_name=kernel, execution_timeout=cell_timeout,
+        cwd=str(cwd or source.parent), progress_bar=False, log_output=False,
+    )
+    strip_file(destination)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m normtools.book_build", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("execute", help="execute one chapter with papermill")
+    run.add_argument("source", type=Path)
+    run.add_argument("destination", type=Path)
+    run.add_argument("--kernel", default="python3")
+    run.add_argument("--cell-timeout", type=int, default=600)
+    strip = sub.add_parser("strip", help="strip volatile metadata in place")
+    strip.add_argument("notebooks", nargs="+", type=Path)
+    args = parser.parse_args(argv)
+    if args.command == "execute":
+        execute(args.source, args.destination, kernel=args.kernel, cell_timeout=args.cell_timeout)
+    else:
+        for path in args.notebooks:
+            if strip_file(path):
+                print(f"stripped {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

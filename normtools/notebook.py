@@ -1,0 +1,62 @@
+"""What every chapter does in its first cells: deterministic setup and glued numbers.
+
+A chapter calls :func:`setup` once, after its ``parameters`` cell::
+
+    device = normtools.notebook.setup(seed=0, threads=2)
+
+and publishes numbers for its prose with :func:`glue_number`, so that no figure in the text is
+typed by hand.
+"""
+
+import os
+import random
+import warnings
+
+import numpy as np
+import torch
+
+
+def select_device(requested: str = "auto") -> torch.device:
+    """CUDA when present (or when asked for), else CPU."""
+    if requested == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(requested)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but no CUDA device is available")
+    return device
+
+
+def setup(seed: int = 0, threads: int = 2, device: str = "auto") -> torch.device:
+    """Seed every generator, fix the CPU thread count, quiet known warnings, set plot defaults.
+
+    Returns the device the chapter should run on (CUDA when present, else CPU).
+    """
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", category=DeprecationWarning)
+    try:
+        import matplotlib
+
+        matplotlib.rcParams.update(
+            {"figure.dpi": 100, "savefig.dpi": 100, "figure.figsize": (7.0, 3.6),
+             "axes.grid": True, "grid.alpha": 0.3}
+        )
+        # Identical bytes from run to run: no date or version in the embedded PNG metadata.
+        matplotlib.rcParams["svg.hashsalt"] = "normbook"
+    except ImportError:
+        pass
+    return select_device(device)
+
+
+def glue_number(name: str, value: float, fmt: str = "{:.3g}") -> str:
+    """Format ``value`` with ``fmt`` and glue the string under ``name`` for the prose ({glue:text}`name`)."""
+    from myst_nb import glue
+
+    text = fmt.format(value)
+    glue(name, text, display=False)
+    return text

@@ -1,0 +1,139 @@
+"""The book's machinery: nbval catches stale outputs, a raising notebook fails both commands,
+a Sphinx warning fails the build, volatile metadata is stripped, and the package ships its kernels."""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import nbformat
+import pytest
+import yaml
+
+from normtools.book_build import strip_volatile_metadata
+
+ROOT = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((ROOT / "book").glob("*.ipynb"))
+SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
+
+
+def _notebook(code_cells, outputs=None):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    for i, source in enumerate(code_cells):
+        cell = nbformat.v4.new_code_cell(source)
+        cell.id = f"c{i}"
+        if outputs is not None:
+            cell.execution_count = i + 1
+            cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text=outputs[i])]
+        nb.cells.append(cell)
+    return nb
+
+
+def _run(args, cwd):
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=300)
+
+
+def _nbval(path):
+    return _run(["-m", "pytest", "-p", "no:cacheprovider", "-q", "--nbval", "--nbval-current-env",
+                 "--nbval-sanitize-with", str(SANITIZE), str(path)], cwd=path.parent)
+
+
+def test_nbval_accepts_matching_and_rejects_stale_outputs(tmp_path):
+    matching = tmp_path / "matching.ipynb"
+    nbformat.write(_notebook(["print(6 * 7)"], outputs=["42\n"]), matching)
+    assert _nbval(matching).returncode == 0
+
+    stale = tmp_path / "stale.ipynb"
+    nbformat.write(_notebook(["print(6 * 7)"], outputs=["41\n"]), stale)
+    result = _nbval(stale)
+    assert result.returncode != 0
+    assert "mismatch" in result.stdout.lower()
+
+
+def test_raising_notebook_fails_execution_and_nbval(tmp_path):
+    raising = tmp_path / "raising.ipynb"
+    nbformat.write(_notebook(["raise RuntimeError('boom')"], outputs=[""]), raising)
+    executed = _run(["-m", "normtools.book_build", "execute", str(raising), str(tmp_path / "out.ipynb")],
+                    cwd=tmp_path)
+    assert executed.returncode != 0
+    assert "boom" in executed.stderr + executed.stdout
+    assert _nbval(raising).returncode != 0
+
+
+def _tiny_book(root, page_text):
+    root.mkdir()
+    (root / "_config.yml").write_text("title: t\nexecute:\n  execute_notebooks: 'off'\n")
+    (root / "_toc.yml").write_text("format: jb-book\nroot: index\n")
+    (root / "index.md").write_text(page_text)
+    return root
+
+
+@pytest.mark.timeout(300)
+def test_sphinx_warning_fails_the_build(tmp_path):
+    jupyter_book = Path(sys.executable).with_name("jupyter-book")
+    good = _tiny_book(tmp_path / "good", "# Title\n\nSee {ref}`title`.\n\n(title)=\n## Section\n")
+    bad = _tiny_book(tmp_path / "bad", "# Title\n\nSee {doc}`no_such_page`.\n")
+    ok = subprocess.run([str(jupyter_book), "build", str(good), "-W", "--keep-going"],
+                        capture_output=True, text=True, timeout=300)
+    assert ok.returncode == 0, ok.stdout[-2000:]
+    failed = subprocess.run([str(jupyter_book), "build", str(bad), "-W", "--keep-going"],
+                            capture_output=True, text=True, timeout=300)
+    assert failed.returncode != 0
+    assert "no_such_page" in failed.stdout + failed.stderr
+
+
+def test_strip_removes_timestamps_and_keeps_outputs():
+    nb = _notebook(["print(1)"], outputs=["1\n"])
+    nb.metadata["papermill"] = {"start_time": "2026-01-01T00:00:00", "duration": 1.5}
+    nb.cells[0].metadata["papermill"] = {"duration": 0.1, "status": "completed"}
+    nb.cells[0].metadata["execution"] = {"iopub.execute_input": "2026-01-01T00:00:00"}
+    stripped = strip_volatile_metadata(json.loads(nbformat.writes(nb)))
+    assert "papermill" not in stripped["metadata"]
+    assert stripped["cells"][0]["metadata"] == {}
+    assert "".join(stripped["cells"][0]["outputs"][0]["text"]) == "1\n"
+
+
+def test_stored_notebooks_have_no_volatile_metadata():
+    for path in CHAPTERS:
+        text = path.read_text()
+        assert json.dumps(strip_volatile_metadata(json.loads(text)), indent=1, ensure_ascii=False) + "\n" == text, (
+            f"{path.name}: run `python -m normtools.book_build strip {path}`")
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_chapter_structure(path):
+    """Outputs stored, a papermill parameters cell, the Colab setup cell first, no placeholders."""
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert any(c.outputs for c in code), "stored without outputs"
+    assert any("parameters" in c.metadata.get("tags", []) for c in code), "no cell tagged 'parameters'"
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    setup_cell = code[0].source
+    assert "google.colab" in setup_cell
+    assert f'REPOSITORY_URL = "{config["repository"]["url"]}"' in setup_cell
+    text = "\n".join(c.source for c in nb.cells).lower()
+    for placeholder in ("todo", "coming soon", "tbd"):
+        assert placeholder not in text, f"placeholder '{placeholder}' in {path.name}"
+
+
+def test_toc_lists_every_chapter_and_nothing_missing():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    listed = {toc["root"]} | {c["file"] for c in toc["chapters"]}
+    for entry in listed:
+        assert any((ROOT / f"{entry}{ext}").exists() for ext in (".md", ".ipynb")), entry
+    assert {f"book/{p.stem}" for p in CHAPTERS} <= listed
+
+
+def test_wheel_ships_kernels_inside_normtools(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                             "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    (wheel,) = tmp_path.glob("normtools-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "normtools/_kernels/__init__.py" in names
+    assert not any(n.startswith("kernels/") for n in names), "a generic top-level 'kernels' package"
+    kernel_files = {p.name for p in (ROOT / "kernels").glob("*.py")}
+    assert {n.split("/")[-1] for n in names if n.startswith("normtools/_kernels/")} >= kernel_files
