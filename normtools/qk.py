@@ -1,0 +1,347 @@
+"""QK-Norm: RMSNorm of the query and key projections before RoPE, one launch for both.
+
+For a row x (what one set of statistics covers),
+
+    r = rsqrt(mean(x.float()², -1) + eps),   y = (offset + w) · cast(x · r)   ("llama" casting)
+                                             y = cast(x · r · (offset + w))   ("gemma" casting)
+
+with the rows chosen by ``scope``:
+
+* ``"per_head"``: each head of each token, statistics over ``head_dim``; the weight is
+  ``(head_dim,)`` shared by all heads (Qwen3; Gemma 3 with offset=1 and gemma casting) or
+  ``(H, head_dim)``, one row per head (Cohere's layout).
+* ``"per_layer"``: the whole projection of each token, statistics over ``H · head_dim``; the
+  weights are ``(Hq · head_dim,)`` and ``(Hk · head_dim,)`` (OLMo 2, MiniMax-M2).
+
+q is ``(..., Hq · head_dim)`` or ``(..., Hq, head_dim)`` and k likewise with Hk heads (Hk divides
+Hq: grouped-query attention); both outputs keep their input's shape. The math of each row is
+``normtools.reference.rms_norm_reference``, which is exactly what ``backend="torch"`` runs.
+
+Internally q and k are (T, H·head_dim) matrices, T tokens, and a row is one ``row_len``-long
+piece of a token: ``row_len = head_dim`` (per_head) or ``H·head_dim`` (per_layer). The op is the
+custom op ``normtools::qk_norm_fwd`` (backward ``normtools::qk_norm_bwd``), with fake
+implementations for ``torch.compile``; ``backend="triton"`` runs ``kernels/qk_norm.py``, one
+launch for q and k in each direction.
+"""
+
+import torch
+import triton
+from torch import nn
+
+from normtools import _validate
+from normtools._kernels import qk_norm as _k
+from normtools._launch import as_rows, kernel_for, resolve_backend, row_blocking
+from normtools.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
+                                 rms_norm_reference)
+
+__all__ = ["qk_norm", "QKNorm", "SCOPES", "check_qk_inputs"]
+
+SCOPES = ("per_head", "per_layer")
+
+
+# ----------------------------------------------------------------------------- input checks
+
+def _weight_heads(weight, head_dim, scope, name):
+    """Number of heads a weight's shape pins down (None for a shared ``(head_dim,)`` weight)."""
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(weight).__name__}")
+    if scope == "per_layer":
+        if weight.dim() != 1 or weight.numel() == 0 or weight.numel() % head_dim:
+            raise ValueError(f"per_layer {name} must have shape (H*head_dim,) with head_dim="
+                             f"{head_dim}, got {tuple(weight.shape)}")
+        return weight.numel() // head_dim
+    if weight.shape == (head_dim,):
+        return None
+    if weight.dim() == 2 and weight.shape[1] == head_dim and weight.shape[0] > 0:
+        return weight.shape[0]
+    raise ValueError(f"per_head {name} must have shape ({head_dim},) (shared by all heads) or "
+                     f"(H, {head_dim}) (one row per head), got {tuple(weight.shape)}")
+
+
+def _fits(x, head_dim, heads, headed):
+    """Whether x reads as (..., H, head_dim) (``headed``) or (..., H*head_dim), H = ``heads``
+    when the weight pins it."""
+    if headed:
+        return x.dim() >= 2 and x.shape[-1] == head_dim and heads in (None, x.shape[-2])
+    return x.shape[-1] % head_dim == 0 and heads in (None, x.shape[-1] // head_dim)
+
+
+def _resolve_layout(q, k, head_dim, q_heads, k_heads):
+    """True for the (..., H, head_dim) layout, False for (..., H*head_dim).
+
+    q and k share one layout and their leading (token) dimensions. The headed reading is tried
+    first; the two readings differ only when the last dimension equals head_dim, and then
+    the result is the same unless a weight pins the number of heads, which picks the reading.
+    """
+    for headed in (True, False):
+        lead = 2 if headed else 1
+        if (_fits(q, head_dim, q_heads, headed) and _fits(k, head_dim, k_heads, headed)
+                and q.shape[:-lead] == k.shape[:-lead]):
+            return headed
+    raise ValueError(
+        f"q {tuple(q.shape)} and k {tuple(k.shape)} must both be (..., H*head_dim) or both "
+        f"(..., H, head_dim) with head_dim={head_dim}, the same leading dimensions, and as many "
+        f"heads as their weights have (q weight: {q_heads or 'any'}, k weight: "
+        f"{k_heads or 'any'})")
+
+
+def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, casting, backend):
+    """Validate the arguments of ``qk_norm``; return (headed, Hq, Hk).
+
+    ``headed`` is True for the (..., H, head_dim) layout. Raises TypeError / ValueError naming
+    the bad argument, before anything is launched.
+    """
+    _validate.check_input(q, "q")
+    _validate.check_input(k, "k")
+    if k.dtype != q.dtype:
+        raise TypeError(f"k has dtype {k.dtype}, expected q's dtype {q.dtype}")
+    if k.device != q.device:
+        raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    _validate.check_eps(eps)
+    _validate.check_offset(offset)
+    _validate.check_casting(casting)
+    _validate.check_backend(backend)
+    if scope not in SCOPES:
+        raise ValueError(f"unknown scope {scope!r}; expected one of {', '.join(SCOPES)}")
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
+        raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
+    q_heads = _weight_heads(q_weight, head_dim, scope, "q_weight")
+    k_heads = _weight_heads(k_weight, head_dim, scope, "k_weight")
+    headed = _resolve_layout(q, k, head_dim, q_heads, k_heads)
+    hq, hk = (q.shape[-2], k.shape[-2]) if headed else (q.shape[-1] // head_dim,
+                                                        k.shape[-1] // head_dim)
+    if hq == 0 or hk == 0 or hq % hk:
+        raise ValueError(f"the number of k heads ({hk}) must divide the number of q heads "
+                         f"({hq}) and neither may be 0")
+    for weight, name in ((q_weight, "q_weight"), (k_weight, "k_weight")):
+        if weight.device != q.device:
+            raise ValueError(f"{name} is on {weight.device} but q is on {q.device}")
+        if weight.dtype not in (torch.float32, q.dtype):
+            raise TypeError(f"{name} has dtype {weight.dtype}; supported are float32 or q's "
+                            f"dtype ({q.dtype})")
+    return headed, hq, hk
+
+
+# ----------------------------------------------------------------------------- torch backend
+
+def _rows(x2d, row_len):
+    """(T, H*row_len) → (T, H, row_len): one statistics row per (token, head slot)."""
+    return x2d.unflatten(-1, (-1, row_len))
+
+
+def _torch_forward(x2d, weight, row_len, eps, offset, casting):
+    """Reference output (T, W) and float32 inverse RMS (H_rows, T) of one tensor."""
+    x = _rows(x2d, row_len)
+    y = rms_norm_reference(x, weight, eps, offset, casting)   # weight (N,) or (H, N) broadcasts
+    return y.flatten(-2), inv_rms(x, eps).squeeze(-1).transpose(0, 1).contiguous()
+
+
+def _torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
+    """Reference (dx, dw) of one tensor from the saved inverse RMS (H_rows, T)."""
+    dy, x, rstd = _rows(dy2d, row_len), _rows(x2d, row_len), rstd.transpose(0, 1).unsqueeze(-1)
+    if weight.dim() == 1:
+        dx, dw = rms_norm_backward_reference(dy, x, weight, rstd, offset)
+        return dx.flatten(-2), dw
+    # one weight row per head: each head is its own RMSNorm
+    heads = [rms_norm_backward_reference(dy[:, h], x[:, h], weight[h], rstd[:, h], offset)
+             for h in range(x.shape[1])]
+    return torch.stack([dx for dx, _ in heads], 1).flatten(-2), torch.stack([dw for _, dw in heads])
+
+
+# ----------------------------------------------------------------------------- triton backend
+
+def _blocking(n_tokens, nq, nk, element_size, device):
+    """(ROWS tokens per program, BLOCK_NQ, BLOCK_NK, num_warps) for the q/k launch."""
+    rows, block_n, num_warps = row_blocking(n_tokens, max(nq, nk), element_size, device)
+    return (rows, min(triton.next_power_of_2(nq), block_n),
+            min(triton.next_power_of_2(nk), block_n), num_warps)
+
+
+def _head_stride(weight, row_len):
+    """Elements between the weight rows of consecutive head slots (0: one row shared by all)."""
+    return row_len if weight.dim() == 2 else 0
+
+
+def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
+    """``kernels/qk_norm.py:qk_norm_fwd``: (qy, ky, q_rstd, k_rstd) in one launch."""
+    device, n_tokens = q2d.device, q2d.shape[0]
+    hq, hk = q2d.shape[1] // nq, k2d.shape[1] // nk
+    qy = torch.empty(q2d.shape, device=device,
+                     dtype=rms_norm_output_dtype(q2d.dtype, q_weight.dtype, casting))
+    ky = torch.empty(k2d.shape, device=device,
+                     dtype=rms_norm_output_dtype(k2d.dtype, k_weight.dtype, casting))
+    q_rstd = torch.empty(hq, n_tokens, device=device, dtype=torch.float32)
+    k_rstd = torch.empty(hk, n_tokens, device=device, dtype=torch.float32)
+    if n_tokens == 0:
+        return qy, ky, q_rstd, k_rstd
+    rows, block_nq, block_nk, num_warps = _blocking(n_tokens, nq, nk, q2d.element_size(), device)
+    n_token_blocks = triton.cdiv(n_tokens, rows)
+    kernel_for(_k.qk_norm_fwd, device)[((hq + hk) * n_token_blocks,)](
+        q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
+        n_tokens, n_token_blocks, hq * n_token_blocks,
+        q2d.stride(0), k2d.stride(0), qy.stride(0), ky.stride(0),
+        _head_stride(q_weight, nq), _head_stride(k_weight, nk), eps, offset,
+        NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+        ROUND_XHAT=casting == "llama", num_warps=num_warps)
+    return qy, ky, q_rstd, k_rstd
+
+
+def _sum_partials(partial, heads, weight):
+    """Weight gradient from the per-program float32 partial rows (heads · n_token_blocks, N):
+    sum over token blocks, then over heads when all heads share one weight row."""
+    dw = partial.view(heads, -1, partial.shape[1]).sum(1)
+    return (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)
+
+
+def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq, nk, offset):
+    """``kernels/qk_norm.py:qk_norm_bwd``: (dq, dk, dq_weight, dk_weight) in one launch."""
+    device, n_tokens = q2d.device, q2d.shape[0]
+    hq, hk = q2d.shape[1] // nq, k2d.shape[1] // nk
+    dqy, dky = as_rows(dqy), as_rows(dky)
+    dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
+    dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
+    rows, block_nq, block_nk, num_warps = _blocking(n_tokens, nq, nk, q2d.element_size(), device)
+    n_token_blocks = triton.cdiv(n_tokens, rows)
+    dqw_partial = torch.zeros(hq * n_token_blocks, nq, device=device, dtype=torch.float32)
+    dkw_partial = torch.zeros(hk * n_token_blocks, nk, device=device, dtype=torch.float32)
+    if n_tokens > 0:
+        kernel_for(_k.qk_norm_bwd, device)[((hq + hk) * n_token_blocks,)](
+            q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), dqy, dky, dq, dk,
+            q_rstd, k_rstd, dqw_partial, dkw_partial,
+            n_tokens, n_token_blocks, hq * n_token_blocks,
+            q2d.stride(0), k2d.stride(0), dqy.stride(0), dky.stride(0), dq.stride(0),
+            dk.stride(0), _head_stride(q_weight, nq), _head_stride(k_weight, nk), offset,
+            NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk, num_warps=num_warps)
+    return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
+            _sum_partials(dkw_partial, hk, k_weight))
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+def _row_lens(q2d, k2d, head_dim, per_layer):
+    """Length of one statistics row of q and of k."""
+    return (q2d.shape[1], k2d.shape[1]) if per_layer else (head_dim, head_dim)
+
+
+@torch.library.custom_op("normtools::qk_norm_fwd", mutates_args=())
+def _qk_norm_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
+                     k_weight: torch.Tensor, head_dim: int, per_layer: bool, eps: float,
+                     offset: float, casting: str, backend: str
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(qy, ky, q_rstd, k_rstd) for q (T, Hq·head_dim) and k (T, Hk·head_dim); the float32
+    inverse RMS is laid out (H_rows, T)."""
+    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    if backend == "torch":
+        qy, q_rstd = _torch_forward(q, q_weight, nq, eps, offset, casting)
+        ky, k_rstd = _torch_forward(k, k_weight, nk, eps, offset, casting)
+        return qy, ky, q_rstd, k_rstd
+    return _triton_forward(q, k, q_weight, k_weight, nq, nk, eps, offset, casting)
+
+
+@_qk_norm_fwd.register_fake
+def _qk_norm_fwd_fake(q, k, q_weight, k_weight, head_dim, per_layer, eps, offset, casting,
+                          backend):
+    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    return (q.new_empty(q.shape, dtype=rms_norm_output_dtype(q.dtype, q_weight.dtype, casting)),
+            k.new_empty(k.shape, dtype=rms_norm_output_dtype(k.dtype, k_weight.dtype, casting)),
+            q.new_empty((q.shape[1] // nq, q.shape[0]), dtype=torch.float32),
+            k.new_empty((k.shape[1] // nk, k.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("normtools::qk_norm_bwd", mutates_args=())
+def _qk_norm_bwd(dqy: torch.Tensor, dky: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      q_weight: torch.Tensor, k_weight: torch.Tensor, q_rstd: torch.Tensor,
+                      k_rstd: torch.Tensor, head_dim: int, per_layer: bool, offset: float,
+                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dq_weight, dk_weight) from the output gradients and the saved inverse RMS."""
+    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    if backend == "torch":
+        dq, dqw = _torch_backward(dqy, q, q_weight, q_rstd, nq, offset)
+        dk, dkw = _torch_backward(dky, k, k_weight, k_rstd, nk, offset)
+        return dq, dk, dqw, dkw
+    return _triton_backward(dqy, dky, q, k, q_weight, k_weight, q_rstd, k_rstd, nq, nk, offset)
+
+
+@_qk_norm_bwd.register_fake
+def _qk_norm_bwd_fake(dqy, dky, q, k, q_weight, k_weight, q_rstd, k_rstd, head_dim,
+                           per_layer, offset, backend):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight),
+            torch.empty_like(k_weight))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, q_weight, k_weight, head_dim, per_layer, _eps, offset, _casting, backend = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, output[2], output[3])
+    ctx.head_dim, ctx.per_layer, ctx.offset, ctx.backend = head_dim, per_layer, offset, backend
+
+
+def _backward(ctx, dqy, dky, _d_q_rstd, _d_k_rstd):
+    q, k, q_weight, k_weight, q_rstd, k_rstd = ctx.saved_tensors
+    dqy = torch.zeros_like(q) if dqy is None else dqy   # only one of the outputs was used
+    dky = torch.zeros_like(k) if dky is None else dky
+    dq, dk, dqw, dkw = _qk_norm_bwd(dqy, dky, q, k, q_weight, k_weight, q_rstd, k_rstd,
+                                         ctx.head_dim, ctx.per_layer, ctx.offset, ctx.backend)
+    return dq, dk, dqw, dkw, None, None, None, None, None, None
+
+
+_qk_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, head_dim, scope="per_head", offset=0.0,
+            casting="llama", backend="auto"):
+    """Normalize q and k (RMSNorm, statistics in float32) before RoPE; one launch for both.
+
+    q: (..., Hq·head_dim) or (..., Hq, head_dim); k likewise with Hk heads, Hk dividing Hq.
+    scope="per_head": r over each head's head_dim, weights (head_dim,) or (H, head_dim).
+    scope="per_layer": r over the whole projection, weights (Hq·head_dim,) and (Hk·head_dim,).
+    casting, offset, backend as in ``normtools.rms_norm``. Returns (q_normed, k_normed) with
+    the input shapes; the dtype is ``rms_norm_output_dtype(x.dtype, w.dtype, casting)``.
+    """
+    headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset,
+                                   casting, backend)
+    q2d = as_rows(q.flatten(-2) if headed else q)
+    k2d = as_rows(k.flatten(-2) if headed else k)
+    qy, ky, _, _ = _qk_norm_fwd(q2d, k2d, q_weight, k_weight, head_dim, scope == "per_layer",
+                                    float(eps), float(offset), casting,
+                                    resolve_backend(backend, q.device))
+    return qy.view(q.shape), ky.view(k.shape)
+
+
+class QKNorm(nn.Module):
+    """The q_norm and k_norm of one attention layer: ``forward(q, k) -> (q_normed, k_normed)``.
+
+    Weight shapes: per_head (head_dim,) each, or (H, head_dim) with ``weight_per_head=True``;
+    per_layer (num_heads·head_dim,) and (num_kv_heads·head_dim,). They start at 1 - offset, so
+    that the scale offset + w starts at 1.
+    """
+
+    def __init__(self, head_dim, num_heads, num_kv_heads=None, *, scope="per_head",
+                 weight_per_head=False, eps=1e-6, offset=0.0, casting="llama", backend="auto",
+                 device=None, dtype=None):
+        super().__init__()
+        if scope not in SCOPES:
+            raise ValueError(f"unknown scope {scope!r}; expected one of {', '.join(SCOPES)}")
+        num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
+        if scope == "per_layer":
+            q_shape, k_shape = (num_heads * head_dim,), (num_kv_heads * head_dim,)
+        elif weight_per_head:
+            q_shape, k_shape = (num_heads, head_dim), (num_kv_heads, head_dim)
+        else:
+            q_shape = k_shape = (head_dim,)
+        factory = {"device": device, "dtype": dtype}
+        self.q_weight = nn.Parameter(torch.full(q_shape, 1.0 - offset, **factory))
+        self.k_weight = nn.Parameter(torch.full(k_shape, 1.0 - offset, **factory))
+        self.head_dim, self.scope, self.eps = head_dim, scope, eps
+        self.offset, self.casting, self.backend = offset, casting, backend
+
+    def forward(self, q, k):
+        return qk_norm(q, k, self.q_weight, self.k_weight, self.eps, head_dim=self.head_dim,
+                       scope=self.scope, offset=self.offset, casting=self.casting,
+                       backend=self.backend)
+
+    def extra_repr(self):
+        return (f"head_dim={self.head_dim}, scope={self.scope}, q_weight={tuple(self.q_weight.shape)}"
+                f", k_weight={tuple(self.k_weight.shape)}, eps={self.eps}, offset={self.offset}, "
+                f"casting={self.casting}")
