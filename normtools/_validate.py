@@ -18,13 +18,14 @@ def _dtype_names():
 
 
 def check_input(x, name="x"):
-    """x must be a floating tensor of a supported dtype with at least one dimension."""
+    """x must be a tensor of a supported dtype whose last (normalized) dimension is not empty."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{name} has dtype {x.dtype}; supported dtypes are {_dtype_names()}")
-    if x.dim() == 0:
-        raise ValueError(f"{name} must have at least one dimension (the normalized one)")
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{name} must have a non-empty last dimension (the normalized one), "
+                         f"got shape {tuple(x.shape)}")
 
 
 def check_like(other, x, name, other_x_name="x"):

@@ -1,0 +1,291 @@
+"""RMSNorm and LayerNorm ops: ``rms_norm``, ``add_rms_norm``, ``layer_norm``.
+
+Each op is a ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``,
+``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so
+``torch.compile(fullgraph=True)`` traces through it. The backend is a plain string argument:
+
+* "torch": the plain-PyTorch reference (normtools.reference), equal to the HF modules;
+* "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors;
+* "auto": "triton" on CUDA, "torch" on CPU unless TRITON_INTERPRET=1.
+
+Inputs are checked (normtools._validate) before anything runs.
+"""
+
+from typing import Optional
+
+import torch
+import triton
+
+from normtools import _validate
+from normtools._kernels import layer_norm as _ln
+from normtools._kernels import rms_norm as _rms
+from normtools._launch import as_rows, kernel_for, num_programs, resolve_backend, row_blocking
+from normtools.reference import (
+    inv_rms,
+    layer_norm_backward_reference,
+    layer_norm_reference,
+    layer_norm_statistics,
+    rms_norm_backward_reference,
+    rms_norm_output_dtype,
+    rms_norm_reference,
+)
+
+__all__ = ["rms_norm", "add_rms_norm", "layer_norm"]
+
+Tensor = torch.Tensor
+
+
+def _stat_shape(x):
+    """Shape of a saved per-row statistic: x.shape with the last dimension 1."""
+    return (*x.shape[:-1], 1)
+
+
+def _persistent_grid(m, n, element_size, device):
+    """(programs, rows_per_program, BLOCK_M, BLOCK_N, num_warps) of a persistent backward grid."""
+    block_m, block_n, num_warps = row_blocking(m, n, element_size, device)
+    programs = num_programs(device, triton.cdiv(m, block_m))
+    rows_per_program = triton.cdiv(triton.cdiv(m, block_m), programs) * block_m
+    return programs, rows_per_program, block_m, block_n, num_warps
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm (optionally fused with a residual add)
+# ---------------------------------------------------------------------------------------------
+
+def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
+    x2 = as_rows(x)
+    m, n = x2.shape
+    out_dtype = rms_norm_output_dtype(x.dtype, None if weight is None else weight.dtype, casting)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    rstd = torch.empty(_stat_shape(x), dtype=torch.float32, device=x.device)
+    if residual is None:
+        res2 = summed = x2  # unused by the kernel (HAS_RESIDUAL=False)
+    else:
+        res2 = as_rows(residual)
+        summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    sum2 = summed.view(-1, n)
+    block_m, block_n, num_warps = row_blocking(m, n, x.element_size(), x.device)
+    if m > 0:
+        kernel_for(_rms.rms_norm_fwd, x.device)[(triton.cdiv(m, block_m),)](
+            x2, res2, y, sum2, x2 if weight is None else weight, rstd,
+            x2.stride(0), res2.stride(0), n, sum2.stride(0),
+            m, n, eps, offset,
+            HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
+            LLAMA_CAST=casting == "llama",
+            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+        )
+    return y, (summed if residual is not None else x.new_empty(0)), rstd
+
+
+def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
+    dy2, x2 = as_rows(dy), as_rows(x)
+    m, n = x2.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    dsum2 = x2 if dsum is None else as_rows(dsum)
+    programs, rows_per_program, block_m, block_n, num_warps = _persistent_grid(
+        m, n, x.element_size(), x.device)
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    kernel_for(_rms.rms_norm_bwd, x.device)[(programs,)](
+        dy2, x2, x2 if weight is None else weight, rstd, dsum2, dx, dw_partial,
+        dy2.stride(0), x2.stride(0), dsum2.stride(0), n,
+        m, n, offset, rows_per_program,
+        HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+    )
+    dw = x.new_empty(0) if weight is None else dw_partial.sum(0).to(weight.dtype)
+    return dx, dw
+
+
+@torch.library.custom_op("normtools::rms_norm_fwd", mutates_args=())
+def _rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
+                  offset: float, casting: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, summed, rstd): summed = x + residual (an empty tensor without a residual),
+    y = RMSNorm(summed), rstd the float32 inverse RMS of shape (..., 1)."""
+    if backend == "triton":
+        return _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting)
+    summed = x if residual is None else x + residual
+    y = rms_norm_reference(summed, weight, eps, offset, casting)
+    return y, (x.new_empty(0) if residual is None else summed), inv_rms(summed, eps)
+
+
+@_rms_norm_fwd.register_fake
+def _(x, residual, weight, eps, offset, casting, backend):
+    out_dtype = rms_norm_output_dtype(x.dtype, None if weight is None else weight.dtype, casting)
+    summed = x.new_empty(0) if residual is None else torch.empty_like(x)
+    return (x.new_empty(x.shape, dtype=out_dtype), summed,
+            x.new_empty(_stat_shape(x), dtype=torch.float32))
+
+
+@torch.library.custom_op("normtools::rms_norm_bwd", mutates_args=())
+def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor,
+                  dsum: Optional[Tensor], offset: float, backend: str) -> tuple[Tensor, Tensor]:
+    """(dx, dw): dx includes the gradient ``dsum`` of the fused residual sum, if any; dw is an
+    empty tensor without a weight."""
+    if backend == "triton":
+        return _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset)
+    dx, dw = rms_norm_backward_reference(dy, x, weight, rstd, offset)
+    if dsum is not None:
+        dx = dx + dsum
+    return dx, (x.new_empty(0) if dw is None else dw)
+
+
+@_rms_norm_bwd.register_fake
+def _(dy, x, weight, rstd, dsum, offset, backend):
+    return torch.empty_like(x), (x.new_empty(0) if weight is None else torch.empty_like(weight))
+
+
+def _rms_norm_setup_context(ctx, inputs, output):
+    x, residual, weight, eps, offset, casting, backend = inputs
+    y, summed, rstd = output
+    ctx.save_for_backward(x if residual is None else summed, weight, rstd)
+    ctx.has_residual = residual is not None
+    ctx.offset, ctx.backend = offset, backend
+
+
+def _rms_norm_backward(ctx, dy, dsum, drstd):
+    normed_input, weight, rstd = ctx.saved_tensors
+    if dy is None:
+        dy = torch.zeros_like(normed_input)
+    dx, dw = _rms_norm_bwd(dy, normed_input, weight, rstd, dsum if ctx.has_residual else None,
+                           ctx.offset, ctx.backend)
+    return (dx, dx if ctx.has_residual else None, None if weight is None else dw,
+            None, None, None, None)
+
+
+_rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+
+
+def _check_rms_norm_args(x, weight, eps, offset, casting, backend):
+    _validate.check_input(x)
+    _validate.check_param(weight, x, "weight")
+    _validate.check_eps(eps)
+    _validate.check_offset(offset)
+    _validate.check_casting(casting)
+    _validate.check_backend(backend)
+
+
+def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="auto"):
+    """RMSNorm over the last dimension: y = (offset + w) ⊙ x · rsqrt(mean(x², -1) + eps).
+
+    ``casting`` says where the result is rounded ("llama": x̂ is cast to x.dtype before the
+    weight multiply, output dtype promote(w, x); "gemma": multiply in float32, cast to x.dtype);
+    see ``normtools.reference.rms_norm_reference`` for the exact definition. ``weight`` is
+    (N,) or None (no scale).
+    """
+    _check_rms_norm_args(x, weight, eps, offset, casting, backend)
+    backend = resolve_backend(backend, x.device)
+    return _rms_norm_fwd(x, None, weight, float(eps), float(offset), casting, backend)[0]
+
+
+def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="llama",
+                 backend="auto"):
+    """Fused residual add and RMSNorm (the pre-norm hot path), in one kernel pass.
+
+    Returns (normed, summed) with summed = x + residual (in x.dtype) and
+    normed = rms_norm(summed, weight, eps, offset=offset, casting=casting).
+    """
+    _check_rms_norm_args(x, weight, eps, offset, casting, backend)
+    _validate.check_like(residual, x, "residual")
+    backend = resolve_backend(backend, x.device)
+    y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
+    return y, summed
+
+
+# ---------------------------------------------------------------------------------------------
+# LayerNorm
+# ---------------------------------------------------------------------------------------------
+
+def _layer_norm_fwd_triton(x, weight, bias, eps):
+    x2 = as_rows(x)
+    m, n = x2.shape
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    mean = torch.empty(_stat_shape(x), dtype=torch.float32, device=x.device)
+    rstd = torch.empty_like(mean)
+    block_m, block_n, num_warps = row_blocking(m, n, x.element_size(), x.device)
+    if m > 0:
+        kernel_for(_ln.layer_norm_fwd, x.device)[(triton.cdiv(m, block_m),)](
+            x2, y, x2 if weight is None else weight, x2 if bias is None else bias, mean, rstd,
+            x2.stride(0), n, m, n, eps,
+            HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+        )
+    return y, mean, rstd
+
+
+def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
+    dy2, x2 = as_rows(dy), as_rows(x)
+    m, n = x2.shape
+    dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    programs, rows_per_program, block_m, block_n, num_warps = _persistent_grid(
+        m, n, x.element_size(), x.device)
+    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    db_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
+    kernel_for(_ln.layer_norm_bwd, x.device)[(programs,)](
+        dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial,
+        dy2.stride(0), x2.stride(0), n, m, n, rows_per_program,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+    )
+    dw = x.new_empty(0) if weight is None else dw_partial.sum(0).to(weight.dtype)
+    db = x.new_empty(0) if bias is None else db_partial.sum(0).to(bias.dtype)
+    return dx, dw, db
+
+
+@torch.library.custom_op("normtools::layer_norm_fwd", mutates_args=())
+def _layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float,
+                    backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(y, mean, rstd), the statistics float32 of shape (..., 1)."""
+    if backend == "triton":
+        return _layer_norm_fwd_triton(x, weight, bias, eps)
+    mean, rstd = layer_norm_statistics(x, eps)
+    return layer_norm_reference(x, weight, bias, eps), mean, rstd
+
+
+@_layer_norm_fwd.register_fake
+def _(x, weight, bias, eps, backend):
+    stat = x.new_empty(_stat_shape(x), dtype=torch.float32)
+    return torch.empty_like(x), stat, torch.empty_like(stat)
+
+
+@torch.library.custom_op("normtools::layer_norm_bwd", mutates_args=())
+def _layer_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
+                    mean: Tensor, rstd: Tensor, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dw, db); dw / db are empty tensors when there is no weight / bias."""
+    if backend == "triton":
+        return _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd)
+    dx, dw, db = layer_norm_backward_reference(dy, x, weight, bias, mean, rstd)
+    return dx, (x.new_empty(0) if dw is None else dw), (x.new_empty(0) if db is None else db)
+
+
+@_layer_norm_bwd.register_fake
+def _(dy, x, weight, bias, mean, rstd, backend):
+    return (torch.empty_like(x), x.new_empty(0) if weight is None else torch.empty_like(weight),
+            x.new_empty(0) if bias is None else torch.empty_like(bias))
+
+
+def _layer_norm_setup_context(ctx, inputs, output):
+    x, weight, bias, eps, backend = inputs
+    y, mean, rstd = output
+    ctx.save_for_backward(x, weight, bias, mean, rstd)
+    ctx.backend = backend
+
+
+def _layer_norm_backward(ctx, dy, dmean, drstd):
+    x, weight, bias, mean, rstd = ctx.saved_tensors
+    dx, dw, db = _layer_norm_bwd(dy, x, weight, bias, mean, rstd, ctx.backend)
+    return dx, (None if weight is None else dw), (None if bias is None else db), None, None
+
+
+_layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+
+
+def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend="auto"):
+    """LayerNorm over the last dimension: y = (x − mean) · rsqrt(var + eps) ⊙ w + b, with float32
+    statistics and the result cast to x.dtype (see normtools.reference.layer_norm_reference)."""
+    _validate.check_input(x)
+    _validate.check_param(weight, x, "weight")
+    _validate.check_param(bias, x, "bias")
+    _validate.check_eps(eps)
+    _validate.check_backend(backend)
+    backend = resolve_backend(backend, x.device)
+    return _layer_norm_fwd(x, weight, bias, float(eps), backend)[0]
