@@ -1,0 +1,98 @@
+"""``normtools card`` and ``normtools diff``: golden output, JSON output, one-line errors."""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from normtools import spec
+
+GOLDEN = Path(__file__).parent / "golden"
+
+
+def run_cli(capsys, *argv):
+    """(exit code, stdout, stderr) of the card/diff commands, through ``spec.add_cli``."""
+    parser = argparse.ArgumentParser(prog="normtools")
+    spec.add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_card_of_a_bundled_config_matches_the_golden_file():
+    """The installed entry point (``python -m normtools``), byte for byte."""
+    result = subprocess.run([sys.executable, "-m", "normtools", "card", "gpt-oss-20b"],
+                            capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "TRANSFORMERS_VERBOSITY": "error"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (GOLDEN / "card_gpt-oss-20b.md").read_text()
+
+
+def test_card_json_is_the_spec_and_the_counts(capsys):
+    code, out, _ = run_cli(capsys, "card", "qwen3-8b", "--json")
+    assert code == 0
+    data = json.loads(out)
+    config = spec.load_bundled_config("qwen3-8b")
+    assert spec.ModelNormSpec.from_dict(data["spec"]) == spec.from_hf_config(config)
+    assert data["parameters"] == spec.count_parameters(config)
+
+
+def test_card_of_a_checkpoint_directory_and_of_a_config_file(capsys, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = spec.tiny_config("olmo2")
+    hf_config = transformers.AutoConfig.for_model("olmo2", **{k: v for k, v in config.items() if k != "model_type"})
+    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "ckpt")
+    code, from_dir, _ = run_cli(capsys, "card", str(tmp_path / "ckpt"))
+    assert code == 0 and "| Placement | post_sublayer |" in from_dir
+    code, from_file, _ = run_cli(capsys, "card", str(tmp_path / "ckpt" / "config.json"))
+    assert code == 0 and from_file == from_dir
+
+
+def test_card_flags_unconfirmed_values(capsys):
+    code, out, _ = run_cli(capsys, "card", "olmo-2-1124-7b")
+    assert code == 0
+    assert "| eps | 1e-06 (unconfirmed) |" in out
+    assert "| Unconfirmed config values | " in out
+    assert "| Casting | gemma:" in out and "(unconfirmed)" not in out.split("| Casting |")[1].split("\n")[0]
+
+
+def test_diff_lists_the_differing_fields(capsys):
+    code, out, _ = run_cli(capsys, "diff", "llama-3-8b", "olmo-2-1124-7b", "--json")
+    assert code == 0
+    d = json.loads(out)
+    assert d["placement"] == ["pre", "post_sublayer"]
+    assert d["block_norm.casting"] == ["llama", "gemma"]
+    assert d["qk_norm.scope"] == ["none", "per_layer"]
+    code, table, _ = run_cli(capsys, "diff", "llama-3-8b", "olmo-2-1124-7b")
+    assert code == 0 and table.count("\n") == len(d) + 2
+    assert run_cli(capsys, "diff", "qwen3-8b", "qwen3-8b")[1] == "no differences\n"
+
+
+@pytest.mark.parametrize("make_bad_input, reason", [
+    (lambda tmp: tmp / "nowhere", "not a checkpoint directory, a config.json file or a bundled config"),
+    (lambda tmp: tmp, "no config.json"),
+    (lambda tmp: _write(tmp / "c.json", "{not json"), "not valid JSON"),
+    (lambda tmp: _write(tmp / "c.json", '{"model_type": "rwkv"}'), "unsupported model_type 'rwkv'"),
+])
+def test_bad_input_gives_one_line_and_exit_code_2(capsys, tmp_path, make_bad_input, reason):
+    for command in (["card", str(make_bad_input(tmp_path))], ["diff", "llama-3-8b", str(make_bad_input(tmp_path))]):
+        code, out, err = run_cli(capsys, *command)
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and reason in err
+
+
+def test_corrupt_safetensors_gives_one_line(capsys, tmp_path):
+    _write(tmp_path / "config.json", json.dumps(spec.tiny_config("llama")))
+    (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00")
+    code, _, err = run_cli(capsys, "card", str(tmp_path))
+    assert code == 2 and err.count("\n") == 1 and "truncated" in err
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
