@@ -1,0 +1,270 @@
+"""The small computations behind chapters 1 (Definition) and 2 (Flow).
+
+* RMSNorm against LayerNorm on the same rows (:func:`rms_layer_gap`): with the row mean μ and
+  standard deviation σ (so that rms² = μ² + σ²) and no weight or bias,
+
+      LayerNorm(x) = (x − μ) / σ,      RMSNorm(x) = x / √(μ² + σ²),
+
+  and, ignoring eps, the relative distance between the two outputs depends on ρ = μ/σ alone:
+
+      ‖RMSNorm(x) − LayerNorm(x)‖ / ‖LayerNorm(x)‖ = √(2 − 2/√(1 + ρ²))
+
+  (zero on zero-mean rows; √2 in the limit of a row that is all mean). :func:`norm_inputs`
+  collects the rows that the norms of a model actually receive.
+* Cost per row (:func:`count_flops`, :func:`row_costs`): the arithmetic of the reference code
+  in ``normtools.reference``, counted by running it on meta tensors, and the bytes it must move.
+* The amplifier analogy (:func:`random_amplifiers`, :func:`signal_through_stages`): a signal
+  through a chain of random linear stages, with or without a leveller after each stage.
+* Block equations from norm cards (:func:`tinylm_config_from_spec`,
+  :func:`block_equation_from_spec`, :func:`norm_legend`): a ``ModelNormSpec`` is turned into the
+  TinyLM configuration with the same placement, and TinyLM's own equation printer renders it.
+* :func:`tiny_hf_model`: a randomly initialized transformers model of a supported family, built
+  from ``normtools.spec.tiny_config`` (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from normtools import reference
+
+__all__ = [
+    "rms_layer_gap", "rms_layer_gap_theory", "norm_inputs",
+    "count_flops", "tensor_bytes", "row_costs",
+    "random_amplifiers", "signal_through_stages",
+    "tinylm_config_from_spec", "block_equation_from_spec", "norm_legend", "tiny_hf_model",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# RMSNorm against LayerNorm
+
+
+def rms_layer_gap(x: torch.Tensor, eps: float = 1e-6) -> dict[str, torch.Tensor]:
+    """Per row of ``x`` (last dimension): how far RMSNorm is from LayerNorm, both without weight
+    or bias and with the same ``eps``.
+
+    Returns float32 tensors of shape ``x.shape[:-1]``:
+    ``rel_gap`` = ‖rms_norm(x) − layer_norm(x)‖ / ‖layer_norm(x)‖ and
+    ``mean_to_std`` = |μ| / σ (σ the biased standard deviation, as LayerNorm uses).
+    """
+    import normtools
+
+    x = x.detach().to(torch.float32)
+    rms_out = normtools.rms_norm(x, None, eps, backend="torch")
+    layer_out = normtools.layer_norm(x, None, None, eps, backend="torch")
+    mean, rstd = reference.layer_norm_statistics(x, 0.0)
+    return {
+        "rel_gap": (rms_out - layer_out).norm(dim=-1) / layer_out.norm(dim=-1),
+        "mean_to_std": (mean * rstd).abs().squeeze(-1),
+    }
+
+
+def rms_layer_gap_theory(mean_to_std: torch.Tensor) -> torch.Tensor:
+    """The eps-free relative gap √(2 − 2/√(1 + ρ²)) for ρ = |μ|/σ (see the module docstring)."""
+    rho = torch.as_tensor(mean_to_std, dtype=torch.float64)
+    return (2.0 - 2.0 / torch.sqrt(1.0 + rho**2)).sqrt()
+
+
+def _is_norm(module: nn.Module) -> bool:
+    """torch.nn.LayerNorm, torch.nn.RMSNorm, normtools' and transformers' *RMSNorm / *LayerNorm."""
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
+
+
+def norm_inputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
+    """The input of every norm module of ``model`` (see :func:`_is_norm`) during ``run()`` (a
+    callable that runs the model), as {module name: rows (-1, features), float32}: the rows its
+    statistics run over (tokens for block norms, heads for a per-head QK-Norm). A module called
+    several times keeps its rows from all calls, concatenated."""
+    captured: dict[str, list[torch.Tensor]] = {}
+
+    def keep(name):
+        def hook(module, args):
+            captured.setdefault(name, []).append(args[0].detach().float().reshape(-1, args[0].shape[-1]))
+        return hook
+
+    handles = [m.register_forward_pre_hook(keep(name)) for name, m in model.named_modules() if _is_norm(m)]
+    try:
+        with torch.no_grad():
+            run()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: torch.cat(rows) for name, rows in captured.items()}
+
+
+# ----------------------------------------------------------------------------------------------
+# Cost per row
+
+aten = torch.ops.aten
+#: Elementwise arithmetic: one operation per output element.
+_ELEMENTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
+                aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar,
+                aten.rsqrt.default, aten.sqrt.default, aten.neg.default, aten.rsub.Scalar}
+#: Reductions: one operation per input element.
+_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
+#: Data movement only (views, casts, copies, allocation): no arithmetic.
+_FREE = {aten._to_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
+         aten.expand.default, aten.clone.default, aten.copy_.default, aten.detach.default,
+         aten.alias.default, aten.empty.memory_format, aten.t.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.lift_fresh.default}
+
+
+class _FlopCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if func in _ELEMENTWISE:
+            self.flops += out.numel()
+        elif func in _REDUCTIONS:
+            self.flops += args[0].numel()
+        elif func not in _FREE and isinstance(out, torch.Tensor):
+            raise NotImplementedError(f"count_flops does not know how to count {func}")
+        return out
+
+
+def count_flops(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), number of arithmetic operations it executed).
+
+    Counted at the ATen level: an elementwise op costs one operation per output element, a sum
+    or mean one per input element, casts, views, copies and ops without a tensor result nothing.
+    An ATen op outside these lists raises NotImplementedError rather than being counted wrong. Run it on meta tensors to
+    count without computing.
+    """
+    counter = _FlopCounter()
+    with counter:
+        out = fn(*args, **kwargs)
+    return out, counter.flops
+
+
+def tensor_bytes(*values) -> int:
+    """Bytes of every tensor among ``values`` (nested tuples and lists allowed; None ignored)."""
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, (tuple, list)):
+            total += tensor_bytes(*v)
+    return total
+
+
+def _cost_cases(rows, n, dtype):
+    """(op, direction, function, inputs) of the four reference computations, on meta tensors."""
+    def t(*shape, dt=dtype):
+        return torch.empty(*shape, dtype=dt, device="meta")
+
+    x, dy, w, b = t(rows, n), t(rows, n), t(n), t(n)
+    stat = t(rows, 1, dt=torch.float32)
+    return [
+        ("rms_norm", "forward", reference.rms_norm_reference, (x, w, 1e-6)),
+        ("rms_norm", "backward", reference.rms_norm_backward_reference, (dy, x, w, stat)),
+        ("layer_norm", "forward", reference.layer_norm_reference, (x, w, b, 1e-5)),
+        ("layer_norm", "backward", reference.layer_norm_backward_reference, (dy, x, w, b, stat, stat)),
+    ]
+
+
+def row_costs(n: int, dtype: torch.dtype = torch.bfloat16, rows: int = 4096) -> list[dict]:
+    """Operations and bytes per row of RMSNorm and LayerNorm, forward and backward.
+
+    The four functions of ``normtools.reference`` run on ``rows`` × ``n`` meta tensors of
+    ``dtype`` (weights in ``dtype``, saved statistics float32). ``flops`` counts what the
+    reference code executes (:func:`count_flops`); ``bytes`` is what a fused kernel must move:
+    every tensor argument read once and every tensor result written once (forward: x, w[, b] in,
+    y out; the statistics a training forward also saves are not counted; backward: dy, x, w[, b]
+    and the saved statistics in, dx, dw[, db] out). Both are divided by ``rows`` (weights are
+    shared by all rows). Returns one dict per (op, direction) with flops_per_row,
+    bytes_per_row and flops_per_byte.
+    """
+    results = []
+    for op, direction, fn, args in _cost_cases(rows, n, dtype):
+        out, flops = count_flops(fn, *args)
+        nbytes = tensor_bytes(args, out)
+        results.append({"op": op, "direction": direction, "n": n, "dtype": str(dtype).removeprefix("torch."),
+                        "flops_per_row": flops / rows, "bytes_per_row": nbytes / rows,
+                        "flops_per_byte": flops / nbytes})
+    return results
+
+
+# ----------------------------------------------------------------------------------------------
+# The amplifier analogy
+
+
+def random_amplifiers(depth: int, width: int, gain: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``depth`` random stages (depth, width, width), float32 entries N(0, gain²/width): each stage
+    multiplies the mean square of a signal by gain² in expectation, with a random deviation."""
+    if depth < 1 or width < 1 or gain <= 0:
+        raise ValueError(f"depth and width must be positive and gain > 0, got {depth}, {width}, {gain}")
+    return torch.randn(depth, width, width, generator=generator) * (gain / width**0.5)
+
+
+def signal_through_stages(x: torch.Tensor, amplifiers: torch.Tensor, level=None) -> torch.Tensor:
+    """RMS of the signal at the input and after each stage: x ← A_i x, then x ← level(x) when a
+    leveller is given (e.g. ``normtools.rms_norm``), in float32. Returns a (depth + 1,) tensor."""
+    if amplifiers.dim() != 3 or amplifiers.shape[1:] != (x.shape[-1], x.shape[-1]):
+        raise ValueError(f"amplifiers must be (depth, {x.shape[-1]}, {x.shape[-1]}), got {tuple(amplifiers.shape)}")
+    x = x.to(torch.float32)
+    levels = [x.pow(2).mean().sqrt()]
+    for a in amplifiers:
+        x = x @ a.T
+        if level is not None:
+            x = level(x)
+        levels.append(x.pow(2).mean().sqrt())
+    return torch.stack(levels)
+
+
+# ----------------------------------------------------------------------------------------------
+# Block equations from norm cards
+
+#: ModelNormSpec QK-Norm scopes → TinyLM's (TinyLM keeps one weight per feature either way).
+_QK_SCOPE = {"none": "none", "per_head": "per_head", "per_head_weights": "per_head", "per_layer": "per_layer"}
+
+
+def tinylm_config_from_spec(spec, **overrides):
+    """The TinyLM configuration with the norm layout of ``spec`` (a ``ModelNormSpec``): the same
+    placement, norm kind (RMSNorm or LayerNorm), QK-Norm scope, final norm and eps; the sizes are
+    TinyLM's defaults unless overridden. (TinyLM's norms have scale w, no offset.)"""
+    from normtools.models import TinyLMConfig
+
+    fields = dict(placement=spec.placement, norm=spec.block_norm.kind, qk_norm=_QK_SCOPE[spec.qk_norm.scope],
+                  final_norm=spec.final_norm is not None, eps=spec.block_norm.eps)
+    return TinyLMConfig(**{**fields, **overrides})
+
+
+def block_equation_from_spec(spec, fmt: str = "latex") -> str:
+    """The block equation of the model that ``spec`` describes, printed by TinyLM's own
+    ``block_equation`` for the configuration of :func:`tinylm_config_from_spec` ("text" or
+    "latex"). The symbols N_… are named in :func:`norm_legend`."""
+    from normtools.models import block_equation
+
+    return block_equation(tinylm_config_from_spec(spec), fmt)
+
+
+def norm_legend(spec) -> list[tuple[str, str]]:
+    """(symbol in the block equation, module name in each layer of the model) for each block
+    norm of ``spec``, in the order the block applies them. (QK-Norm and the final norm are
+    described by the spec's card rows.)"""
+    from normtools.models import norm_names
+
+    symbols = norm_names(spec.placement)
+    if len(symbols) != len(spec.layer_norms):
+        raise ValueError(f"{spec.model_type}: placement {spec.placement!r} has {len(symbols)} norms, "
+                         f"the spec names {len(spec.layer_norms)}: {spec.layer_norms}")
+    return [(f"N_{s}", module) for s, module in zip(symbols, spec.layer_norms)]
+
+
+def tiny_hf_model(model_type: str, **overrides) -> nn.Module:
+    """A randomly initialized ``AutoModelForCausalLM`` of ``model_type`` with the tiny shapes of
+    ``normtools.spec.tiny_config`` (hidden 32, 2 layers unless overridden), in eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from normtools.spec import tiny_config
+
+    values = tiny_config(model_type, **overrides)
+    config = AutoConfig.for_model(values.pop("model_type"), **values)
+    return AutoModelForCausalLM.from_config(config).eval()
