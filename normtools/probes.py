@@ -1,0 +1,280 @@
+"""Depth probes: what each layer of a model does to the residual stream, on one batch.
+
+:func:`depth_profile` runs one forward and one backward pass (next-token cross-entropy) and
+returns, per decoder layer ``i``:
+
+    residual_rms    RMS of the residual stream after block i (the block's output)
+    attn_out_rms    RMS of the attention sublayer's output (``self_attn``, after o_proj,
+                    before any norm of the block that follows it)
+    mlp_out_rms     RMS of the MLP sublayer's output (``mlp``)
+    grad_norm       L2 norm of the gradient of all parameters of block i
+    logit_max       max of the pre-softmax attention logits s = q·kᵀ·scale over the attended
+                    (query, key) pairs, all heads and sequences
+    logit_p99       their 99th percentile
+    logit_abs_mean  mean of |s|
+    attn_entropy    mean over heads and queries of −Σ_j p_j log p_j (nats), p = softmax of
+                    the masked logits
+
+RMS is over every element: sqrt(mean(v²)). The probes work through standard module names:
+decoder layers ``model.layers`` (TinyLM) or ``model.model.layers`` (Hugging Face), each with
+``self_attn`` and ``mlp``. Logits are read, not recomputed: TinyLM keeps them when
+``self_attn.keep_logits`` is set; a Hugging Face model is switched for the duration of the probe
+to the attention implementation ``"normtools_probe"`` (registered with transformers'
+``AttentionInterface``), which is eager attention that keeps the logits it computes, and uses
+the eager (additive float) mask, so the attended pairs are those the model's own mask allows
+(causal, and the sliding window of Gemma 3's local layers).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+PROBE_ATTENTION = "normtools_probe"
+
+PROFILE_COLUMNS = (
+    "layer", "residual_rms", "attn_out_rms", "mlp_out_rms", "grad_norm",
+    "logit_max", "logit_p99", "logit_abs_mean", "attn_entropy",
+)
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers: ``model.layers`` (TinyLM) or ``model.model.layers`` (HF *ForCausalLM)."""
+    for owner in (model, getattr(model, "model", None)):
+        layers = getattr(owner, "layers", None)
+        if isinstance(layers, nn.ModuleList):
+            return layers
+    raise TypeError(f"{type(model).__name__} has no decoder layers at .layers or .model.layers")
+
+
+def rms(v: torch.Tensor) -> float:
+    """sqrt(mean(v²)) over every element, in float32."""
+    return v.detach().float().pow(2).mean().sqrt().item()
+
+
+def causal_mask(T: int, device=None) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j (j ≤ i)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
+def logit_stats(logits: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+    """Statistics of attention logits (B, H, Tq, Tk) over the pairs where ``valid`` (broadcast to
+    the logits' shape) is True: max, 99th percentile, mean |s|, and the mean attention entropy."""
+    logits = logits.detach().float()
+    valid = valid.expand_as(logits)
+    attended = logits[valid]
+    log_p = torch.log_softmax(logits.masked_fill(~valid, float("-inf")), dim=-1)
+    p = log_p.exp()
+    entropy = -(p * log_p.masked_fill(~valid, 0.0)).sum(-1)
+    return {
+        "logit_max": attended.max().item(),
+        "logit_p99": float(np.percentile(attended.cpu().numpy(), 99)),
+        "logit_abs_mean": attended.abs().mean().item(),
+        "attn_entropy": entropy.mean().item(),
+    }
+
+
+def _probe_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                     softcap=None, **kwargs):
+    """Eager attention (as transformers' ``eager_attention_forward``) that keeps its logits.
+
+    s = q kᵀ · scaling (then softcap · tanh(s / softcap) where the model soft-caps), kept in
+    ``module.logits``; the attended pairs (mask == 0) in ``module.logit_mask``.
+    """
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ValueError("the normtools probe attention does not support attention sinks")
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = (query @ key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    if attention_mask is None:
+        valid = causal_mask(query.shape[2], query.device)[None, None]
+    elif attention_mask.dtype == torch.bool:
+        valid = attention_mask[:, :, :, : key.shape[2]]
+    else:
+        valid = attention_mask[:, :, :, : key.shape[2]] == 0
+    module.logits, module.logit_mask = logits.detach(), valid
+    probs = torch.softmax(logits.masked_fill(~valid, float("-inf")), dim=-1, dtype=torch.float32)
+    probs = F.dropout(probs.to(query.dtype), p=dropout, training=module.training)
+    return (probs @ value).transpose(1, 2).contiguous(), probs
+
+
+def _register_probe_attention():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
+
+    AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, eager_mask)
+
+
+def _is_hf(model: nn.Module) -> bool:
+    return hasattr(model, "config") and hasattr(model, "set_attn_implementation")
+
+
+class Recording:
+    """Per-layer values collected during the forward passes inside :func:`recording`."""
+
+    def __init__(self, layers: nn.ModuleList):
+        self.layers = layers
+        self.residual_rms: dict[int, float] = {}
+        self.attn_out_rms: dict[int, float] = {}
+        self.mlp_out_rms: dict[int, float] = {}
+
+    def logit_stats(self, i: int) -> dict[str, float]:
+        """:func:`logit_stats` of layer i's last attention logits."""
+        attn = self.layers[i].self_attn
+        valid = getattr(attn, "logit_mask", None)
+        if valid is None:
+            valid = causal_mask(attn.logits.shape[-1], attn.logits.device)
+        return logit_stats(attn.logits, valid)
+
+    def logit_max(self, i: int) -> float:
+        """Max attended logit of layer i (cheaper than :meth:`logit_stats`)."""
+        attn = self.layers[i].self_attn
+        valid = getattr(attn, "logit_mask", None)
+        if valid is None:
+            valid = causal_mask(attn.logits.shape[-1], attn.logits.device)
+        return attn.logits.masked_fill(~valid, float("-inf")).max().item()
+
+
+@contextmanager
+def recording(model: nn.Module):
+    """Within the block, forward passes of ``model`` record per layer the RMS of the residual
+    stream and of both sublayers' outputs, and keep the attention logits (see module docs).
+    Everything is put back on exit."""
+    layers = decoder_layers(model)
+    rec = Recording(layers)
+
+    def store(table, i):
+        def hook(module, args, output):
+            table[i] = rms(output[0] if isinstance(output, tuple) else output)
+        return hook
+
+    handles = []
+    for i, layer in enumerate(layers):
+        handles.append(layer.register_forward_hook(store(rec.residual_rms, i)))
+        handles.append(layer.self_attn.register_forward_hook(store(rec.attn_out_rms, i)))
+        handles.append(layer.mlp.register_forward_hook(store(rec.mlp_out_rms, i)))
+    hf = _is_hf(model)
+    if hf:
+        _register_probe_attention()
+        previous = model.config._attn_implementation
+        model.set_attn_implementation(PROBE_ATTENTION)
+    else:
+        for layer in layers:
+            layer.self_attn.keep_logits = True
+    try:
+        yield rec
+    finally:
+        for handle in handles:
+            handle.remove()
+        if hf:
+            model.set_attn_implementation(previous)
+        for layer in layers:
+            attn = layer.self_attn
+            attn.keep_logits = False
+            attn.logits = None
+            attn.logit_mask = None
+
+
+def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs, targets): a pair (x, y) as given, or ids (B, T+1) as x = ids[:, :-1], y = ids[:, 1:]."""
+    if isinstance(batch, (tuple, list)):
+        x, y = batch
+        return x, y
+    if not isinstance(batch, torch.Tensor) or batch.dim() != 2 or batch.shape[1] < 2:
+        raise ValueError("batch must be token ids (B, T+1) with T ≥ 1 or a pair (inputs, targets)")
+    return batch[:, :-1], batch[:, 1:]
+
+
+def next_token_loss(model: nn.Module, batch) -> torch.Tensor:
+    """Mean cross-entropy of the targets under the model's logits (TinyLM or HF causal LM)."""
+    x, y = split_batch(batch)
+    out = model(x)
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+def depth_profile(model: nn.Module, batch) -> "pandas.DataFrame":
+    """One forward + backward pass on ``batch``; one row per decoder layer (see module docs).
+
+    ``batch`` is token ids (B, T+1) or a pair (inputs, targets). The model's gradients are
+    cleared before and after. TinyLM rows also carry its ``placement``, ``norm`` and ``qk_norm``;
+    HF rows the ``model_type``. The loss is in ``df.attrs["loss"]``.
+    """
+    import pandas as pd
+
+    layers = decoder_layers(model)
+    model.zero_grad(set_to_none=True)
+    with recording(model) as rec:
+        loss = next_token_loss(model, batch)
+        loss.backward()
+        rows = []
+        for i, layer in enumerate(layers):
+            grads = [p.grad.float().pow(2).sum() for p in layer.parameters() if p.grad is not None]
+            rows.append({
+                "layer": i,
+                "residual_rms": rec.residual_rms[i],
+                "attn_out_rms": rec.attn_out_rms[i],
+                "mlp_out_rms": rec.mlp_out_rms[i],
+                "grad_norm": torch.stack(grads).sum().sqrt().item() if grads else 0.0,
+                **rec.logit_stats(i),
+            })
+    model.zero_grad(set_to_none=True)
+    df = pd.DataFrame(rows, columns=list(PROFILE_COLUMNS))
+    config = model.config
+    if _is_hf(model):
+        df["model_type"] = config.model_type
+    else:
+        df["placement"], df["norm"], df["qk_norm"] = config.placement, config.norm, config.qk_norm
+    df.attrs["loss"] = loss.item()
+    return df
+
+
+METRIC_LABELS = {
+    "residual_rms": "RMS of the residual stream",
+    "attn_out_rms": "RMS of the attention output",
+    "mlp_out_rms": "RMS of the MLP output",
+    "grad_norm": "gradient norm of the layer",
+    "logit_max": "max attention logit",
+    "logit_p99": "99th percentile attention logit",
+    "logit_abs_mean": "mean |attention logit|",
+    "attn_entropy": "attention entropy (nats)",
+}
+
+
+def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement", ax=None,
+                       logy=False):
+    """One panel per metric against the layer index, one line per value of column ``by``
+    (a single line if ``df`` has no such column). ``ax``: an Axes or a sequence of Axes, one per
+    metric. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
+    if ax is None:
+        fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
+        axes = axes[0]
+    else:
+        axes = np.atleast_1d(ax)
+        if len(axes) != len(metrics):
+            raise ValueError(f"got {len(axes)} axes for {len(metrics)} metrics")
+        fig = axes[0].figure
+    groups = df.groupby(by, sort=False) if by in df.columns else [(None, df)]
+    for metric, axis in zip(metrics, axes):
+        for label, part in groups:
+            part = part.sort_values("layer")
+            axis.plot(part["layer"], part[metric], marker="o", markersize=3, label=label)
+        axis.set_xlabel("layer")
+        axis.set_ylabel(METRIC_LABELS.get(metric, metric))
+        if logy:
+            axis.set_yscale("log")
+        if by in df.columns:
+            axis.legend(title=by, fontsize="small")
+    fig.tight_layout()
+    return fig

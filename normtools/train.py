@@ -1,0 +1,214 @@
+"""A small training loop for TinyLM, with the per-step records the stability chapters plot.
+
+:func:`train` runs AdamW with linear warm-up and cosine decay, clips the global gradient norm,
+uses bf16 (or fp16 with loss scaling) autocast on a GPU, and records at every step
+
+    step, lr, loss, grad_norm          grad_norm: global L2 norm before clipping
+    logit_max                          max attention logit over all layers
+    logit_max_<i>, act_rms_<i>         per layer i: max attention logit, RMS of the residual
+                                       stream after block i (see normtools.probes)
+
+The data order is fixed by ``seed`` (a seeded ``torch.Generator``), so on CPU a run is
+deterministic for a given model initialization. Two stability measures:
+
+* :func:`spike_score` — the fraction of steps whose value lies more than k standard deviations
+  above the mean of the preceding window.
+* :func:`lr_sensitivity` — Wortsman et al. 2023 ("Small-scale proxies for large-scale
+  Transformer training instabilities"): E_{η ∈ grid}[min(ℓ(η), ℓ₀) − min_η ℓ(η)], ℓ(η) the
+  final loss at learning rate η and ℓ₀ the loss at initialization.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tqdm.auto import tqdm
+
+from normtools.probes import decoder_layers, next_token_loss, recording
+
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1) -> float:
+    """Learning rate at ``step`` (0-based): linear warm-up to ``lr`` over ``warmup`` steps, then
+    cosine decay to ``min_lr_ratio · lr`` at the last step."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - 1 - warmup)
+    return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (dim ≥ 2) only, not on norm weights and biases (nanoGPT)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
+    if precision == "auto":
+        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+    if precision == "fp32":
+        return precision, nullcontext()
+    if device.type != "cuda":
+        raise ValueError(f"precision {precision!r} needs a CUDA device; use 'fp32' on {device.type}")
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+    return precision, torch.autocast("cuda", dtype=dtype)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, data, split: str = "val", batches: int = 4, batch_size: int = 16,
+             seq_len: int | None = None, seed: int = 1234) -> float:
+    """Mean next-token loss over ``batches`` fixed (seeded) batches of ``split``."""
+    seq_len = seq_len or model.config.max_seq_len
+    device = next(model.parameters()).device
+    generator = torch.Generator().manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    losses = [next_token_loss(model, data.get_batch(split, batch_size, seq_len, generator, device)).item()
+              for _ in range(batches)]
+    model.train(was_training)
+    return float(np.mean(losses))
+
+
+def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16,
+          seq_len: int | None = None, warmup: int | None = None, min_lr_ratio: float = 0.1,
+          weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+          grad_clip: float | None = 1.0, precision: str = "auto", seed: int = 0,
+          eval_batches: int = 4, quiet: bool = False) -> "pandas.DataFrame":
+    """Train ``model`` in place for ``steps`` steps on ``data`` (a :class:`normtools.data.TextData`)
+    and return one record per step (see module docs).
+
+    ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping; ``quiet``
+    turns the progress bar off. With ``eval_batches > 0`` the validation loss before and after
+    training is in ``df.attrs["initial_loss"]`` and ``df.attrs["final_loss"]``. A run whose loss
+    becomes non-finite stops there (its last record has the non-finite loss).
+    """
+    import pandas as pd
+
+    if steps < 1 or lr <= 0:
+        raise ValueError(f"steps must be ≥ 1 and lr > 0, got steps={steps}, lr={lr}")
+    seq_len = seq_len or model.config.max_seq_len
+    warmup = max(1, steps // 10) if warmup is None else warmup
+    device = next(model.parameters()).device
+    precision, autocast = _autocast(precision, device)
+    scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed)
+    optimizer = make_optimizer(model, lr, weight_decay, betas)
+    depth = len(decoder_layers(model))
+    attrs = {"lr": lr, "steps": steps, "precision": precision}
+    if eval_batches:
+        attrs["initial_loss"] = evaluate(model, data, batches=eval_batches, batch_size=batch_size, seq_len=seq_len)
+
+    records = []
+    model.train()
+    bar = tqdm(range(steps), disable=quiet, desc=f"lr={lr:g}", leave=False)
+    for step in bar:
+        step_lr = lr_at(step, steps, lr, warmup, min_lr_ratio)
+        for group in optimizer.param_groups:
+            group["lr"] = step_lr
+        batch = data.get_batch("train", batch_size, seq_len, generator, device)
+        with recording(model) as rec:
+            with autocast:
+                loss = next_token_loss(model, batch)
+            logit_max = [rec.logit_max(i) for i in range(depth)]
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        clip = grad_clip if grad_clip is not None else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        record = {"step": step, "lr": step_lr, "loss": loss.item(), "grad_norm": grad_norm,
+                  "logit_max": max(logit_max)}
+        record.update({f"logit_max_{i}": v for i, v in enumerate(logit_max)})
+        record.update({f"act_rms_{i}": rec.residual_rms[i] for i in range(depth)})
+        records.append(record)
+        if step % 10 == 0:
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+        if not math.isfinite(record["loss"]):
+            break
+    bar.close()
+    if eval_batches:
+        attrs["final_loss"] = evaluate(model, data, batches=eval_batches, batch_size=batch_size, seq_len=seq_len)
+    df = pd.DataFrame(records)
+    df.attrs.update(attrs)
+    return df
+
+
+def per_layer(records, metric: str) -> "pandas.DataFrame":
+    """The per-layer columns ``<metric>_<i>`` of :func:`train`'s records as a (steps × layers)
+    frame, columns 0..depth−1, indexed by step."""
+    columns = sorted((c for c in records.columns if c.startswith(f"{metric}_") and c[len(metric) + 1:].isdigit()),
+                     key=lambda c: int(c[len(metric) + 1:]))
+    if not columns:
+        raise ValueError(f"no per-layer columns {metric}_<i> in the records")
+    out = records.set_index("step")[columns]
+    out.columns = [int(c[len(metric) + 1:]) for c in columns]
+    return out
+
+
+def spike_score(series: Sequence[float], window: int = 20, k: float = 3.0) -> float:
+    """Fraction of steps t ≥ window with x_t > mean(x_{t−window..t−1}) + k · std(x_{t−window..t−1}).
+
+    The window statistics ignore non-finite values; a non-finite x_t counts as a spike.
+    """
+    x = np.asarray(series, dtype=np.float64)
+    if window < 2 or k <= 0:
+        raise ValueError(f"window must be ≥ 2 and k > 0, got window={window}, k={k}")
+    if x.size <= window:
+        raise ValueError(f"need more than window={window} values, got {x.size}")
+    spikes = 0
+    for t in range(window, x.size):
+        past = x[t - window:t]
+        past = past[np.isfinite(past)]
+        if not np.isfinite(x[t]):
+            spikes += 1
+        elif past.size >= 2 and x[t] > past.mean() + k * past.std():
+            spikes += 1
+    return spikes / (x.size - window)
+
+
+def lr_sensitivity(final_losses_by_lr: Mapping[float, float], initial_loss: float) -> float:
+    """Wortsman et al. 2023: E_η[min(ℓ(η), ℓ₀) − min_η ℓ(η)] over the grid of learning rates η.
+
+    A non-finite final loss (a diverged run) counts as ℓ₀."""
+    if not final_losses_by_lr:
+        raise ValueError("need at least one learning rate")
+    capped = np.array([min(loss, initial_loss) if math.isfinite(loss) else initial_loss
+                       for loss in final_losses_by_lr.values()])
+    return float(np.mean(capped - capped.min()))
+
+
+def lr_sweep(make_model: Callable[[], nn.Module], data, lrs: Sequence[float], steps: int,
+             **train_kwargs) -> "pandas.DataFrame":
+    """Train a fresh ``make_model()`` at each learning rate; one row per lr with the initial and
+    final validation loss and the run's max attention logit and spike score of the loss."""
+    import pandas as pd
+
+    rows = []
+    for lr in lrs:
+        records = train(make_model(), data, steps, lr, **train_kwargs)
+        rows.append({"lr": lr, "initial_loss": records.attrs["initial_loss"],
+                     "final_loss": records.attrs["final_loss"],
+                     "logit_max": records["logit_max"].max(),
+                     "loss_spike_score": spike_score(records["loss"]) if len(records) > 20 else float("nan")})
+    return pd.DataFrame(rows)
