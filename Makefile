@@ -51,6 +51,7 @@ html: $(STAMP)
 	test -d $(BUILD_SRC) || { echo "run 'make execute' first"; exit 1; }
 	# refresh everything but the executed notebooks (pages, config, vendored JS, kernels, results)
 	tar --exclude='*.ipynb' -cf - _config.yml _toc.yml book kernels bench | tar -xf - -C $(BUILD_SRC)
+	rm -rf _build/html _build/.doctrees
 	$(VENV)/bin/jupyter-book build $(BUILD_SRC) --path-output . -W --keep-going
 	@echo "book: $(CURDIR)/_build/html/index.html"
 

@@ -1,0 +1,246 @@
+"""The built book as a reader gets it: every page opened in headless Chromium, offline.
+
+Uses the build in ``_build/html`` (``make book``; ``.ci/run`` builds it before the tests). Outside
+CI a missing build or a missing Chromium skips these tests; under CI (``CI=true``) it fails them.
+Screenshots go to ``_build/screenshots/`` (a CI artifact), the page-weight report to
+``_build/page_weight.json``.
+"""
+
+import functools
+import http.server
+import json
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+SITE = ROOT / "_build" / "html"
+SCREENSHOTS = ROOT / "_build" / "screenshots"
+README_SCREENSHOT = ROOT / "book" / "_static" / "readme" / "chapter-page.png"
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())
+CHAPTER_NOTEBOOKS = sorted((ROOT / "book").glob("*.ipynb"))
+
+
+def _require(condition, reason):
+    if not condition:
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def site():
+    _require((SITE / "index.html").exists(), "no built book in _build/html: run `make book` first")
+    return SITE
+
+
+def _pages(site):
+    skip = {"genindex.html", "search.html"}
+    return sorted(p for p in site.rglob("*.html") if p.name not in skip and "_static" not in p.parts)
+
+
+def _ids(html_path, cache={}):
+    from bs4 import BeautifulSoup
+
+    if html_path not in cache:
+        soup = BeautifulSoup(html_path.read_text(encoding="utf-8"), "html.parser")
+        cache[html_path] = {t.get("id") for t in soup.find_all(id=True)} | {
+            t.get("name") for t in soup.find_all(attrs={"name": True})}
+    return cache[html_path]
+
+
+def test_internal_links_and_anchors_resolve(site):
+    """Every relative href/src points at a file of the build, and every #anchor exists there."""
+    from bs4 import BeautifulSoup
+
+    for page in _pages(site):
+        soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+        for tag, attr in (("a", "href"), ("link", "href"), ("img", "src"), ("script", "src")):
+            for element in soup.find_all(tag, attrs={attr: True}):
+                url = urlsplit(element[attr])
+                if url.scheme or url.netloc or element[attr].startswith(("mailto:", "javascript:")):
+                    continue
+                target = (page.parent / unquote(url.path)).resolve() if url.path else page
+                if target.is_dir():
+                    target = target / "index.html"
+                where = f"{page.relative_to(site)}: <{tag} {attr}={element[attr]!r}>"
+                assert target.exists(), f"broken link {where}"
+                if url.fragment and target.suffix == ".html":
+                    assert unquote(url.fragment) in _ids(target), f"missing anchor {where}"
+
+
+def _cited_keys():
+    pattern = re.compile(r"\{cite(?::[a-z]+)?\}`([^`]+)`")
+    keys = set()
+    for path in sorted((ROOT / "book").glob("*.ipynb")) + sorted((ROOT / "book").glob("*.md")):
+        for match in pattern.finditer(path.read_text(encoding="utf-8")):
+            keys |= {k.strip() for k in match.group(1).split(",")}
+    return keys
+
+
+def _bib_keys():
+    text = (ROOT / "book" / "references.bib").read_text(encoding="utf-8")
+    return set(re.findall(r"^@\w+\{([^,\s]+),", text, flags=re.M))
+
+
+def test_every_citation_resolves_and_every_source_is_cited(site):
+    cited, known = _cited_keys(), _bib_keys()
+    assert cited, "no {cite} in the chapters"
+    unknown = sorted(cited - known)
+    assert not unknown, f"cited but not in references.bib: {unknown[0]}"
+    uncited = sorted(known - cited)
+    assert not uncited, f"in references.bib but cited from no chapter: {uncited[0]}"
+    sources = (site / "book" / "07_sources.html").read_text(encoding="utf-8")
+    for key in sorted(cited):
+        assert f'id="id-{key}"' in sources or key in sources, f"{key} missing from the Sources page"
+
+
+def test_colab_buttons_point_at_the_notebooks_in_the_repository(site):
+    repository = CONFIG["repository"]
+    owner_repo = urlsplit(repository["url"]).path.strip("/")
+    for notebook in CHAPTER_NOTEBOOKS:
+        relative = notebook.relative_to(ROOT).as_posix()
+        expected = (f"{CONFIG['launch_buttons']['colab_url']}/github/{owner_repo}/blob/"
+                    f"{repository['branch']}/{relative}")
+        page = (site / relative).with_suffix(".html").read_text(encoding="utf-8")
+        assert expected in page, f"{relative}: no Colab button to {expected}"
+        first_code_cell = next(c for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code")
+        assert f'REPOSITORY_URL = "{repository["url"]}"' in "".join(first_code_cell["source"])
+
+
+@pytest.fixture(scope="module")
+def browser(site):
+    _require(CHROMIUM is not None, "Chromium is not installed (apt-get install chromium)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _require(False, "playwright is not installed (pip install playwright)")
+    handler = functools.partial(QuietHandler, directory=str(site))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield chromium, f"http://127.0.0.1:{server.server_address[1]}"
+        chromium.close()
+    server.shutdown()
+
+
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+READ_PAGE_STATE = """async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
+  const mermaids = [...document.querySelectorAll('pre.mermaid')];
+  for (let i = 0; i < 100 && mermaids.some(m => !m.querySelector('svg')); i++) {
+    await new Promise(r => setTimeout(r, 100));
+  }
+  const maths = [...document.querySelectorAll('.math')];
+  return {
+    math: maths.length,
+    math_unrendered: maths.filter(m => !m.querySelector('mjx-container') && m.tagName !== 'MJX-CONTAINER').length,
+    math_errors: document.querySelectorAll('mjx-merror').length,
+    mermaid: mermaids.length,
+    mermaid_unrendered: mermaids.filter(m => !m.querySelector('svg')).length,
+    images_broken: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
+  };
+}"""
+
+
+def test_every_page_renders_offline_without_errors(site, browser):
+    chromium, base = browser
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    problems = []
+    for path in _pages(site):
+        name = path.relative_to(site).as_posix()
+        if 'http-equiv="refresh"' in path.read_text(encoding="utf-8").lower():
+            continue  # a redirect stub (index.html -> book/intro.html); its target is checked itself
+        page = context.new_page()
+        errors, external = [], []
+        page.on("pageerror", lambda e, errors=errors: errors.append(f"exception: {e}"))
+        page.on("console", lambda m, errors=errors: errors.append(f"console: {m.text}") if m.type == "error" else None)
+        page.on("requestfailed", lambda r, errors=errors: errors.append(f"failed request: {r.url}"))
+
+        def route(request_route, external=external):
+            if request_route.request.url.startswith(base):
+                request_route.continue_()
+            else:
+                external.append(request_route.request.url)
+                request_route.abort()
+
+        page.route("**/*", route)
+        page.goto(f"{base}/{name}", wait_until="load")
+        state = page.evaluate(READ_PAGE_STATE)
+        page.screenshot(path=str(SCREENSHOTS / (name.replace("/", "__").removesuffix(".html") + ".png")),
+                        full_page=True)
+        if name == "book/01_definition.html" and os.environ.get("NORMBOOK_UPDATE_README_SCREENSHOT"):
+            README_SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=str(README_SCREENSHOT))
+        page.close()
+        errors = [e for e in errors if not any(u in e for u in external)]
+        for label, bad in (("JavaScript errors", errors), ("requests leaving the machine", external),
+                           ("math left unrendered", state["math_unrendered"]),
+                           ("MathJax errors", state["math_errors"]),
+                           ("mermaid diagrams left unrendered", state["mermaid_unrendered"]),
+                           ("images that did not load", state["images_broken"])):
+            if bad:
+                problems.append(f"{name}: {label}: {bad}")
+    context.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_math_and_mermaid_are_present_where_the_book_uses_them(site, browser):
+    """The checks above must have something to check: the Flow chapter has a diagram, the
+    Definition chapter has math, and both render in the browser."""
+    chromium, base = browser
+    page = chromium.new_page()
+    page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(base) else r.abort())
+    page.goto(f"{base}/book/02_flow.html", wait_until="load")
+    flow = page.evaluate(READ_PAGE_STATE)
+    page.goto(f"{base}/book/01_definition.html", wait_until="load")
+    definition = page.evaluate(READ_PAGE_STATE)
+    page.close()
+    assert flow["mermaid"] >= 1 and flow["mermaid_unrendered"] == 0
+    assert definition["math"] >= 1 and definition["math_unrendered"] == 0
+
+
+def test_page_weight_is_reported_and_figures_are_sensible(site):
+    from PIL import Image
+
+    files = [p for p in site.rglob("*") if p.is_file()]
+    pages = _pages(site)
+    largest = max(pages, key=lambda p: p.stat().st_size)
+    images = sorted((site / "_images").glob("*")) if (site / "_images").exists() else []
+    report = {
+        "site_bytes": sum(p.stat().st_size for p in files),
+        "site_files": len(files),
+        "largest_page": largest.relative_to(site).as_posix(),
+        "largest_page_bytes": largest.stat().st_size,
+        "figures": [{"file": p.name, "bytes": p.stat().st_size,
+                     "pixels": list(Image.open(p).size) if p.suffix == ".png" else None} for p in images],
+    }
+    (site.parent / "page_weight.json").write_text(json.dumps(report, indent=1))
+    print(f"\nsite: {report['site_bytes'] / 2**20:.1f} MiB in {report['site_files']} files; largest page "
+          f"{report['largest_page']} {report['largest_page_bytes'] / 2**10:.0f} KiB")
+    assert report["largest_page_bytes"] < 4 * 2**20, "a page over 4 MiB"
+    for figure in report["figures"]:
+        if figure["pixels"]:
+            assert max(figure["pixels"]) <= 2400, f"{figure['file']}: {figure['pixels']} px is more than a page needs"
+            assert figure["bytes"] <= 400 * 2**10, f"{figure['file']}: {figure['bytes']} bytes"
+
+
+def test_readme_shows_a_chapter_screenshot_made_by_this_test():
+    readme = (ROOT / "README.md").read_text()
+    assert README_SCREENSHOT.relative_to(ROOT).as_posix() in readme
+    assert README_SCREENSHOT.exists(), "run NORMBOOK_UPDATE_README_SCREENSHOT=1 make test"
