@@ -669,7 +669,7 @@ _TINY_EXTRA = {
     "minimax_m2": dict(_TINY_MOE),
     "cohere": dict(use_qk_norm=True),
     "phi": dict(qk_layernorm=True),
-    "deepseek_v3": dict(num_key_value_heads=4, rms_norm_eps=1e-5, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-5, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
                         qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
                         n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16),
     "bert": dict(num_key_value_heads=None, head_dim=None, type_vocab_size=2),
