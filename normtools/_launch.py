@@ -10,14 +10,17 @@
   persistent grid.
 """
 
+import contextlib
 import functools
 import os
 import sys
 import threading
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
+import triton.runtime.interpreter as triton_interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
@@ -46,16 +49,33 @@ def resolve_backend(backend, device):
     return "torch"
 
 
+def _fp32_to_bf16_bits(data):
+    """float32 numpy array → bfloat16 bit patterns (uint16), rounded to nearest even."""
+    flat = torch.from_numpy(np.array(data, dtype=np.float32).reshape(-1))
+    return flat.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+
+
+def _convert_float_rne(data, input_dtype, output_dtype, rounding_mode):
+    """Triton 3.9's interpreter truncates float32 → bfloat16 (the GPU rounds to nearest even);
+    this replacement of its ``_convert_float`` rounds that conversion as the GPU does."""
+    if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+        return _fp32_to_bf16_bits(data)
+    return _TRITON_CONVERT_FLOAT(data, input_dtype, output_dtype, rounding_mode)
+
+
+_TRITON_CONVERT_FLOAT = triton_interpreter._convert_float
+
+
 class _InterpretedKernel:
     """A ``@triton.jit`` kernel run by Triton's interpreter: ``kernel[grid](*args, **kwargs)``.
 
     Triton decides at decoration time whether a ``@triton.jit`` function is compiled or
     interpreted (TRITON_INTERPRET=1 must be set before ``import triton``), and the interpreter
     cannot call compiled ``@triton.jit`` functions: the kernel's helpers and the ``tl.*``
-    functions written in Triton (tl.sum, tl.zeros, ...). For the duration of a launch this swaps
-    each of them, in the namespaces of the kernel's module and of triton.language, for an
-    interpreted twin, and switches the interpreter knob on; everything is restored afterwards.
-    Launches are serialized by a lock.
+    functions written in Triton (tl.sum, tl.zeros, ...). For the duration of a launch this
+    swaps each of them, in the namespaces of the kernel's module and of triton.language, for an
+    interpreted twin, switches the interpreter knob on and makes float32 → bfloat16 casts
+    round to nearest even; everything is restored afterwards. Launches are serialized by a lock.
     """
 
     _lock = threading.Lock()
@@ -67,37 +87,45 @@ class _InterpretedKernel:
                            tl.standard.__dict__)
 
     @classmethod
-    def _twin(cls, jit_fn):
+    def _twin(cls, fn):
+        if isinstance(fn, InterpretedFunction):
+            return fn
         # keyed by id: hashing a JITFunction walks its globals
-        if id(jit_fn) not in cls._twins:
-            cls._twins[id(jit_fn)] = InterpretedFunction(jit_fn.fn)
-        return cls._twins[id(jit_fn)]
+        if id(fn) not in cls._twins:
+            cls._twins[id(fn)] = InterpretedFunction(fn.fn)
+        return cls._twins[id(fn)]
+
+    @contextlib.contextmanager
+    def _interpreter_mode(self):
+        swapped = [(ns, name, value) for ns in self.namespaces
+                   for name, value in ns.items() if isinstance(value, JITFunction)]
+        twins = [self._twin(value) for _, _, value in swapped]
+        previous_knob = triton.knobs.runtime.interpret
+        try:
+            triton.knobs.runtime.interpret = True
+            triton_interpreter._convert_float = _convert_float_rne
+            for (ns, name, _), twin in zip(swapped, twins):
+                ns[name] = twin
+            yield
+        finally:
+            for ns, name, value in swapped:
+                ns[name] = value
+            triton_interpreter._convert_float = _TRITON_CONVERT_FLOAT
+            triton.knobs.runtime.interpret = previous_knob
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
-            with self._lock:
-                swapped = [(ns, name, value) for ns in self.namespaces
-                           for name, value in ns.items() if isinstance(value, JITFunction)]
-                twins = [self._twin(value) for _, _, value in swapped]
-                kernel = self._twin(self.kernel)
-                previous_knob = triton.knobs.runtime.interpret
-                try:
-                    triton.knobs.runtime.interpret = True
-                    for (ns, name, _), twin in zip(swapped, twins):
-                        ns[name] = twin
-                    return kernel[grid](*args, **kwargs)
-                finally:
-                    for ns, name, value in swapped:
-                        ns[name] = value
-                    triton.knobs.runtime.interpret = previous_knob
+            with self._lock, self._interpreter_mode():
+                return self._twin(self.kernel)[grid](*args, **kwargs)
         return launch
 
 
 def kernel_for(kernel, device):
-    """The callable form of a ``@triton.jit`` kernel for tensors on ``device``: compiled for
-    CUDA, interpreted for CPU (kernels already interpreted because TRITON_INTERPRET=1 was set
-    at import are returned as they are). Use as ``kernel_for(k, x.device)[grid](...)``."""
-    if isinstance(kernel, InterpretedFunction) or torch.device(device).type == "cuda":
+    """The callable form of a ``@triton.jit`` kernel for tensors on ``device``: the compiled
+    kernel for CUDA tensors; for CPU tensors the kernel run by Triton's interpreter (also when
+    TRITON_INTERPRET=1 made it an interpreted function at import). Use as
+    ``kernel_for(k, x.device)[grid](...)``."""
+    if torch.device(device).type == "cuda" and not isinstance(kernel, InterpretedFunction):
         return kernel
     return _InterpretedKernel(kernel)
 

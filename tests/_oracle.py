@@ -1,0 +1,98 @@
+"""Float64 oracles and the tolerance table shared by the normalization tests (RMSNorm, LayerNorm,
+QK-Norm).
+
+The oracles are the textbook equations evaluated in float64, written independently of
+normtools. Tolerances (one place, per input dtype):
+
+* float32: max|out − ref64| ≤ 1e-5 · max(max|ref64|, 1) (max relative error, normwise; the
+  floor of 1 matters only when the exact result is ~0 through cancellation, e.g. dx for N = 1,
+  where float32 rounding of O(1) intermediates is all that is left — the test data are O(1));
+* float16 / bfloat16: |out − ref64| ≤ 2 · |same − ref64| + atol elementwise, where ``same`` is
+  plain PyTorch computing the same thing in the same dtype (atol 1e-2 fp16, 5e-2 bf16).
+"""
+
+import pytest
+import torch
+
+FP32_MAX_REL_ERR = 1e-5
+LOW_PRECISION_FACTOR = 2.0
+LOW_PRECISION_ATOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+# Tests parametrized over these run under the interpreter on CPU and compiled on CUDA.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def rms_norm_f64(x, weight=None, eps=1e-6, offset=0.0):
+    """y = (offset + w) · x / sqrt(mean(x², -1) + eps) in float64 (y = x̂ without a weight)."""
+    x = x.double()
+    y = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * (offset + weight.double())
+
+
+def layer_norm_f64(x, weight=None, bias=None, eps=1e-5):
+    """y = (x − mean) / sqrt(var + eps) · w + b in float64 (biased variance)."""
+    x = x.double()
+    xc = x - x.mean(-1, keepdim=True)
+    y = xc / torch.sqrt(xc.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.double()
+    if bias is not None:
+        y = y + bias.double()
+    return y
+
+
+def run_with_grads(fn, inputs, grad_outputs, cast=None):
+    """Call ``fn(*leaves)`` on fresh leaf copies of ``inputs`` (optionally ``.to(cast)``; None and
+    non-tensors pass through), backpropagate ``grad_outputs`` (one per output, or None for an
+    output that gets no gradient) and return (outputs, gradients of the tensor inputs)."""
+    leaves = [t.detach().to(cast or t.dtype).requires_grad_() if isinstance(t, torch.Tensor)
+              else t for t in inputs]
+    outputs = fn(*leaves)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    grads = torch.autograd.grad([o for o, _ in pairs], tensors, [g for _, g in pairs],
+                                allow_unused=True)
+    return [o.detach() for o in outputs], list(grads)
+
+
+def assert_close_to_oracle(out, ref64, same, dtype, what):
+    """Check ``out`` against the float64 ``ref64`` with the tolerance of input dtype ``dtype``;
+    ``same`` is the plain-PyTorch result in the same dtype (used for float16 / bfloat16)."""
+    assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
+    if out.numel() == 0:
+        return
+    err = (out.double() - ref64).abs()
+    if dtype == torch.float32:
+        scale = ref64.abs().max().clamp_min(1.0)
+        rel = (err.max() / scale).item()
+        assert rel <= FP32_MAX_REL_ERR, f"{what}: max relative error {rel:.3g} > {FP32_MAX_REL_ERR}"
+    else:
+        bound = LOW_PRECISION_FACTOR * (same.double() - ref64).abs() + LOW_PRECISION_ATOL[dtype]
+        worst = (err - bound).max().item()
+        assert worst <= 0, (f"{what} ({dtype}): |out − ref64| exceeds 2·|same − ref64| + atol "
+                            f"by {worst:.3g} (max error {err.max().item():.3g})")
+
+
+LAYOUTS = ("contiguous", "padded_rows", "permuted_leading", "strided_last")
+
+
+def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.0):
+    """Random normal tensor of ``shape`` whose memory layout is one of LAYOUTS:
+
+    * "padded_rows": rows of a wider buffer (row stride > N);
+    * "permuted_leading": the first two leading dims transposed (not viewable as (M, N) rows;
+      plain contiguous with fewer than two leading dims);
+    * "strided_last": every other element along the last dim (last-dim stride 2).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    *lead, n = shape
+    if layout == "padded_rows":
+        owner, view = torch.randn(*lead, n + 3, generator=gen), lambda t: t[..., :n]
+    elif layout == "permuted_leading" and len(lead) >= 2:
+        owner = torch.randn(lead[1], lead[0], *lead[2:], n, generator=gen)
+        view = lambda t: t.transpose(0, 1)  # noqa: E731
+    elif layout == "strided_last":
+        owner, view = torch.randn(*lead, 2 * n, generator=gen), lambda t: t[..., ::2]
+    else:
+        owner, view = torch.randn(*shape, generator=gen), lambda t: t  # noqa: E731
+    return view((owner * scale).to(device=device, dtype=dtype))
