@@ -356,6 +356,17 @@ _BIAS_PATTERNS = {
 _FINAL_NORM = re.compile(r"^(?:.*\.)?(norm|final_layernorm)\.(weight|bias)$")
 
 
+def read_config_json(path) -> dict:
+    """The JSON object in the file ``path``; :class:`SpecError` if it is not one."""
+    try:
+        config = json.loads(Path(path).read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise SpecError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise SpecError(f"{path}: not a JSON object")
+    return config
+
+
 def read_checkpoint_tensors(path) -> dict:
     """``{name: TensorInfo}`` merged over every ``*.safetensors`` file in the directory ``path``."""
     files = sorted(Path(path).glob("*.safetensors"))
@@ -377,17 +388,14 @@ def from_checkpoint(path) -> ModelNormSpec:
     path = Path(path)
     if not path.is_dir():
         raise SpecError(f"{path}: not a directory")
-    config_file = path / "config.json"
-    if not config_file.is_file():
+    if not (path / "config.json").is_file():
         raise SpecError(f"{path}: no config.json")
-    try:
-        config = json.loads(config_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"{config_file}: not valid JSON ({e})") from None
-    if not isinstance(config, dict):
-        raise SpecError(f"{config_file}: not a JSON object")
+    config = read_config_json(path / "config.json")
     expected = from_hf_config(config)
-    observed, problems = _observe(expected, read_checkpoint_tensors(path))
+    tensors = read_checkpoint_tensors(path)
+    if config["model_type"] == "gemma3":  # multimodal: the norms of the text model only
+        tensors = {name: info for name, info in tensors.items() if "language_model." in name}
+    observed, problems = _observe(expected, tensors)
     disagreements = problems + [
         f"{key}: config says {a!r}, tensors say {b!r}" for key, (a, b) in diff(expected, observed).items()
     ]
@@ -795,14 +803,9 @@ def load(source) -> tuple:
     path = Path(source)
     if path.is_dir():
         spec = from_checkpoint(path)
-        return spec, json.loads((path / "config.json").read_text())
+        return spec, read_config_json(path / "config.json")
     if path.is_file():
-        try:
-            config = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise SpecError(f"{path}: not valid JSON ({e})") from None
-        if not isinstance(config, dict):
-            raise SpecError(f"{path}: not a JSON object")
+        config = read_config_json(path)
         return from_hf_config(config), config
     if str(source) in bundled_configs():
         config = load_bundled_config(str(source))

@@ -139,6 +139,16 @@ def test_layouts_of_the_families():
     assert get("llama", attention_bias=True).biases.o and not get("llama").biases.o
 
 
+def test_multimodal_gemma3_checkpoint_is_read_through_its_text_model(tmp_path):
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  image_size=28, patch_size=14)
+    config = transformers.AutoConfig.for_model("gemma3", text_config=spec.tiny_config("gemma3"),
+                                               vision_config=vision, mm_tokens_per_image=4)
+    transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
+    # the SigLIP tower's LayerNorms (with bias) and layers are not mistaken for the text model's
+    assert spec.from_checkpoint(tmp_path) == spec.from_hf_config(spec.tiny_config("gemma3"))
+
+
 def test_published_gemma3_multimodal_config_gives_the_text_norms():
     s = spec.from_hf_config(spec.load_bundled_config("gemma-3-4b"))
     assert (s.model_type, s.hidden_size, s.num_layers, s.head_dim) == ("gemma3_text", 2560, 34, 256)
