@@ -76,8 +76,9 @@ def assert_close_to_oracle(out, ref64, same, dtype, what):
 LAYOUTS = ("contiguous", "padded_rows", "permuted_leading", "strided_last")
 
 
-def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.0):
-    """Random normal tensor of ``shape`` whose memory layout is one of LAYOUTS:
+def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.0, shift=0.0):
+    """Random normal tensor (times ``scale``, plus ``shift``) of ``shape`` whose memory layout
+    is one of LAYOUTS:
 
     * "padded_rows": rows of a wider buffer (row stride > N);
     * "permuted_leading": the first two leading dims transposed (not viewable as (M, N) rows;
@@ -95,4 +96,4 @@ def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.
         owner, view = torch.randn(*lead, 2 * n, generator=gen), lambda t: t[..., ::2]
     else:
         owner, view = torch.randn(*shape, generator=gen), lambda t: t  # noqa: E731
-    return view((owner * scale).to(device=device, dtype=dtype))
+    return view((owner * scale + shift).to(device=device, dtype=dtype))
