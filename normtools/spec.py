@@ -375,6 +375,13 @@ def read_checkpoint_tensors(path) -> dict:
     tensors = {}
     for file in files:
         tensors.update(read_header(file))
+    index = Path(path) / "model.safetensors.index.json"
+    if index.is_file():  # a sharded checkpoint: every tensor its index names must be there
+        weight_map = read_config_json(index).get("weight_map", {})
+        missing = sorted(set(weight_map) - set(tensors))
+        if missing:
+            raise SpecError(f"{path}: {len(missing)} tensors named in {index.name} are in no file "
+                            f"(first: {missing[0]!r} in {weight_map[missing[0]]!r})")
     return tensors
 
 
@@ -405,7 +412,37 @@ def from_checkpoint(path) -> ModelNormSpec:
 
 
 def _observe(spec: ModelNormSpec, tensors: dict):
-    """(spec with every field that tensors determine replaced by what they show, shape problems)."""
+    """(spec with every field that the tensors determine replaced by what they show, problems)."""
+    layers, top = _split_layers(tensors)
+    if not layers:
+        return spec, [f"no per-layer tensors (names like 'layers.0.*'); found {len(tensors)} tensors"]
+    num_layers = max(layers) + 1
+    problems = [f"layer {i} has no tensors" for i in range(num_layers) if i not in layers]
+    layer0 = layers[min(layers)]
+    block, block_problems = _observe_block_norms(spec, layers)
+    qk_norm, qk_problems = _observe_qk(spec, layer0)
+    final_norm, final_problems = _observe_final_norm(spec, top)
+    other_norms, other_problems = _observe_other_norms(spec, layer0, top)
+    biases = ProjectionBiases(**{
+        key: any(re.fullmatch(pattern, s) for s in layer0) for key, pattern in _BIAS_PATTERNS.items()
+    }, lm_head="lm_head.bias" in top)
+    observed = dataclasses.replace(
+        spec,
+        block_norm=dataclasses.replace(spec.block_norm, bias=any(block.values())),
+        placement=_placement(set(block)),
+        layer_norms=tuple(n for n in spec.layer_norms if n in block) + tuple(sorted(set(block) - set(spec.layer_norms))),
+        final_norm=final_norm,
+        qk_norm=qk_norm,
+        biases=biases,
+        other_norms=other_norms,
+        attention_sinks=any(s.endswith("self_attn.sinks") for s in layer0),
+        num_layers=num_layers,
+    )
+    return observed, problems + block_problems + qk_problems + final_problems + other_problems
+
+
+def _split_layers(tensors: dict):
+    """({layer index: {name inside the layer: info}}, {other name: info})."""
     layers, top = {}, {}
     for name, info in tensors.items():
         m = _LAYER_NAME.match(name)
@@ -413,13 +450,13 @@ def _observe(spec: ModelNormSpec, tensors: dict):
             layers.setdefault(int(m.group(1)), {})[m.group(2)] = info
         else:
             top[name] = info
-    problems = []
-    if not layers:
-        return spec, [f"no per-layer tensors (names like 'layers.0.*'); found {len(tensors)} tensors"]
-    layer0 = layers[min(layers)]
-    num_layers = max(layers) + 1
+    return layers, top
 
-    block = {}  # block-norm module name -> has bias
+
+def _observe_block_norms(spec, layers):
+    """({block-norm module name: has bias} from the first layer, problems in any layer)."""
+    layer0 = layers[min(layers)]
+    block, problems = {}, []
     for suffix, info in layer0.items():
         module, _, kind = suffix.rpartition(".")
         last = module.rpartition(".")[2]
@@ -428,54 +465,39 @@ def _observe(spec: ModelNormSpec, tensors: dict):
         block[module] = block.get(module, False) or kind == "bias"
         if kind == "weight" and info.shape != (spec.hidden_size,):
             problems.append(f"{module}.weight has shape {info.shape}, config hidden_size is {spec.hidden_size}")
-    for index, tensors_of_layer in layers.items():
-        names = {s.rpartition(".")[0] for s in tensors_of_layer}
-        missing = sorted(set(block) - names)
+    for index, layer in sorted(layers.items()):
+        missing = sorted(set(block) - {s.rpartition(".")[0] for s in layer})
         if missing:
             problems.append(f"layer {index} lacks {', '.join(missing)}")
-    layer_norms = tuple(n for n in spec.layer_norms if n in block) + tuple(sorted(set(block) - set(spec.layer_norms)))
+    return block, problems
 
-    qk_norm, qk_problems = _observe_qk(spec, layer0)
-    problems += qk_problems
 
-    biases = ProjectionBiases(**{
-        key: any(re.fullmatch(pattern, s) for s in layer0) for key, pattern in _BIAS_PATTERNS.items()
-    }, lm_head="lm_head.bias" in top)
-
+def _observe_final_norm(spec, top):
+    """(the final norm the tensors show, or None; problems)."""
     final = {m.group(2): info for name, info in top.items() if (m := _FINAL_NORM.match(name))}
-    final_norm = None
-    if "weight" in final:
-        base = spec.final_norm or spec.block_norm
-        final_norm = dataclasses.replace(base, bias="bias" in final)
-        if final["weight"].shape != (spec.hidden_size,):
-            problems.append(f"final norm weight has shape {final['weight'].shape}, "
-                            f"config hidden_size is {spec.hidden_size}")
+    if "weight" not in final:
+        return None, []
+    problems = []
+    if final["weight"].shape != (spec.hidden_size,):
+        problems.append(f"final norm weight has shape {final['weight'].shape}, config hidden_size is {spec.hidden_size}")
+    return dataclasses.replace(spec.final_norm or spec.block_norm, bias="bias" in final), problems
 
-    other_norms = []
+
+def _observe_other_norms(spec, layer0, top):
+    """(the spec's other norms with the size and bias the tensors show, problems)."""
+    found, problems = [], []
     for other in spec.other_norms:
         where = layer0 if other.per_layer else top
         weight = where.get(f"{other.name}.weight")
         if weight is None:
             problems.append(f"{other.name}.weight is missing")
             continue
-        other_norms.append(dataclasses.replace(
-            other, dim=weight.shape[0] if len(weight.shape) == 1 else weight.shape,
-            norm=dataclasses.replace(other.norm, bias=f"{other.name}.bias" in where)))
-
-    block_bias = any(block.values())
-    observed = dataclasses.replace(
-        spec,
-        block_norm=dataclasses.replace(spec.block_norm, bias=block_bias),
-        placement=_placement(set(block)),
-        layer_norms=layer_norms,
-        final_norm=final_norm,
-        qk_norm=qk_norm,
-        biases=biases,
-        other_norms=tuple(other_norms),
-        attention_sinks=any(s.endswith("self_attn.sinks") for s in layer0),
-        num_layers=num_layers,
-    )
-    return observed, problems
+        if len(weight.shape) != 1:
+            problems.append(f"{other.name}.weight has shape {weight.shape}, expected ({other.dim},)")
+            continue
+        found.append(dataclasses.replace(other, dim=weight.shape[0],
+                                         norm=dataclasses.replace(other.norm, bias=f"{other.name}.bias" in where)))
+    return tuple(found), problems
 
 
 def _is_other_norm(spec, module) -> bool:

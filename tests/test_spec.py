@@ -222,6 +222,17 @@ def test_layout_disagreements_are_named(family, change, field, checkpoints, tmp_
         spec.from_checkpoint(path)
 
 
+def test_sharded_checkpoint_and_a_missing_shard(tmp_path):
+    model = build(spec.tiny_config("llama"))
+    model.save_pretrained(tmp_path / "c", max_shard_size="20KB")
+    shards = sorted((tmp_path / "c").glob("*.safetensors"))
+    assert len(shards) > 1
+    assert spec.from_checkpoint(tmp_path / "c") == spec.from_hf_config(spec.tiny_config("llama"))
+    shards[-1].unlink()
+    with pytest.raises(spec.SpecError, match="in no file"):
+        spec.from_checkpoint(tmp_path / "c")
+
+
 def test_missing_config_json(tmp_path):
     with pytest.raises(spec.SpecError, match="no config.json"):
         spec.from_checkpoint(tmp_path)
