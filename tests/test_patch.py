@@ -36,7 +36,7 @@ def tiny_model(family, dtype=torch.float32, **changes):
 def logits(model):
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        return model(ids).logits
+        return model(ids.to(model.device)).logits
 
 
 def hf_norm_names(model):
@@ -62,6 +62,16 @@ def test_triton_backend_matches_within_tolerance(family, dtype):
     before = logits(model)
     normtools.patch(model, backend="triton")
     torch.testing.assert_close(logits(model), before)  # default tolerances of the dtype
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "olmo2", "gemma3_text", "gpt_oss"])
+def test_compiled_triton_backend_on_cuda(family, dtype):
+    model = tiny_model(family, dtype).cuda()
+    before = logits(model)
+    normtools.patch(model, backend="auto")  # auto: the compiled kernels on CUDA
+    torch.testing.assert_close(logits(model), before)
 
 
 def test_the_spec_decides_offset_casting_and_scope():
