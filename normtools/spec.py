@@ -12,11 +12,12 @@ norms of its forward pass:
 * the shapes needed to check a checkpoint against its config, and the config values that the
   source could not confirm.
 
-Casting (r = rsqrt(mean(x.float()**2) + eps), statistics always float32):
+Casting, with x̂ the normalized row in float32 (``x.float() * r``, r = rsqrt(mean(x.float()**2) + eps),
+for RMSNorm; ``(x.float() - mean) * rstd`` for LayerNorm; statistics always float32):
 
-* ``"llama"``: ``(offset + w) * (x.float() * r).to(x.dtype)``  (HF Llama, Qwen3, MiniMax-M2, DeepSeek-V3)
-* ``"gemma"``: ``((x.float() * r) * (offset + w.float())).to(x.dtype)``  (HF Gemma 2/3, OLMo 2/3,
-  gpt-oss, Cohere's LayerNorm)
+* ``"llama"``: ``(offset + w) * x̂.to(x.dtype)``  (HF Llama, Qwen3, MiniMax-M2, DeepSeek-V3)
+* ``"gemma"``: ``(x̂ * (offset + w.float())).to(x.dtype)``  (HF Gemma 2/3, OLMo 2/3, gpt-oss,
+  Cohere's LayerNorm)
 * ``"torch"``: ``torch.nn.LayerNorm`` in the input dtype (HF BERT, Phi)
 
 Placement: ``"pre"`` ``x + f(norm(x))``; ``"post"`` ``norm(x + f(x))`` (BERT);
@@ -720,9 +721,10 @@ def tiny_config(model_type: str, **overrides) -> dict:
 # --------------------------------------------------------------------------------------------
 
 _CONFIG_DIR = resources.files("normtools").joinpath("configs")
+# x̂: the normalized row in float32 (x.float() * r for RMSNorm, (x.float() - mean) * rstd for LayerNorm)
 CASTING_FORMULAS = {
-    "llama": "(offset + w) * (x.float() * r).to(x.dtype)",
-    "gemma": "((x.float() * r) * (offset + w.float())).to(x.dtype)",
+    "llama": "(offset + w) * x̂.to(x.dtype)",
+    "gemma": "(x̂ * (offset + w.float())).to(x.dtype)",
     "torch": "torch.nn.LayerNorm in the input dtype",
 }
 # config keys behind each card row, to flag rows whose source value is unconfirmed
