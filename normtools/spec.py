@@ -169,6 +169,7 @@ def _diff_values(a, b, path) -> dict:
 
 def _transformers_config(config):
     """(transformers config object of the text model, unconfirmed keys) from a config or dict."""
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
 
     unconfirmed = ()
@@ -177,7 +178,10 @@ def _transformers_config(config):
         _check_supported(model_type)
         unconfirmed = tuple(config.get("_unconfirmed", ()))
         values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
-        config = AutoConfig.for_model(model_type, **values)
+        try:
+            config = AutoConfig.for_model(model_type, **values)
+        except (StrictDataclassError, TypeError, ValueError, ArithmeticError) as e:
+            raise SpecError(f"{model_type} config rejected by transformers: {' '.join(str(e).split())}") from None
     elif not isinstance(config, PretrainedConfig):
         raise TypeError(f"expected a transformers config or a config.json dict, got {type(config).__name__}")
     _check_supported(config.model_type)

@@ -254,6 +254,12 @@ def test_unknown_model_type_names_the_supported_ones():
         spec.from_hf_config("llama")
 
 
+@pytest.mark.parametrize("bad", [dict(hidden_size="x"), dict(num_attention_heads=0), dict(rms_norm_eps="a")])
+def test_config_values_transformers_rejects_give_a_spec_error(bad):
+    with pytest.raises(spec.SpecError, match="llama config rejected by transformers"):
+        spec.from_hf_config({"model_type": "llama", **bad})
+
+
 def test_minimax_config_without_per_layer_qk_norm_is_refused():
     with pytest.raises(spec.SpecError, match="per_layer QK-Norm only"):
         spec.from_hf_config(spec.tiny_config("minimax_m2", qk_norm_type="per_head"))
