@@ -1,0 +1,229 @@
+"""TinyLM: each placement's forward equals its printed equation, computed by hand in float64.
+
+The hand computation below does not use normtools.models: norms, RoPE (as complex rotation),
+attention (explicit loops over heads with the GQA head map), SwiGLU and each placement's
+block are written out from their definitions, reading the model's weights.
+"""
+
+import math
+import re
+
+import pytest
+import torch
+
+import normtools
+from normtools.models import PLACEMENT_NAMES, TinyLM, TinyLMConfig, block_equation, set_backend
+
+# What the book prints for each placement (the issue's forms, with the norms named).
+EXPECTED_TEXT = {
+    "post": "x = N_attn_res(x + Attn(x))\nx = N_mlp_res(x + MLP(x))",
+    "pre": "x = x + Attn(N_attn_in(x))\nx = x + MLP(N_mlp_in(x))",
+    "sandwich": "x = x + N_attn_out(Attn(N_attn_in(x)))\nx = x + N_mlp_out(MLP(N_mlp_in(x)))",
+    "post_sublayer": "x = x + N_attn_out(Attn(x))\nx = x + N_mlp_out(MLP(x))",
+    "parallel": "x = x + Attn(N_in(x)) + MLP(N_in(x))",
+    "none": "x = x + Attn(x)\nx = x + MLP(x)",
+}
+
+
+def d64(t):
+    return t.detach().to(torch.float64)
+
+
+def hand_norm(norm, x, eps):
+    w = d64(norm.weight)
+    if isinstance(norm, normtools.RMSNorm):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * w + d64(norm.bias)
+
+
+def hand_rms_rows(x, w, row, eps):
+    """RMSNorm of each consecutive ``row``-long piece of the last dim, weight tiled over pieces."""
+    shape = x.shape
+    x = x.reshape(*shape[:-1], -1, row)
+    y = x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps)
+    return y.reshape(shape) * w.repeat(shape[-1] // w.numel())
+
+
+def hand_rope(x, theta):
+    """x (T, d): the pair (x_i, x_{i+d/2}) as the complex number x_i + i·x_{i+d/2}, times e^{i·t·ω_i}."""
+    T, d = x.shape
+    omega = theta ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    z = torch.complex(x[:, : d // 2], x[:, d // 2:]) * torch.polar(
+        torch.ones(T, d // 2, dtype=torch.float64), torch.arange(T, dtype=torch.float64)[:, None] * omega)
+    return torch.cat([z.real, z.imag], dim=-1)
+
+
+def hand_attention(attn, h, cfg):
+    """h (T, width) of one sequence → attention output (T, width)."""
+    T = h.shape[0]
+    d, H, Hk = cfg.head_dim, cfg.heads, cfg.n_kv_heads
+    q, k, v = h @ d64(attn.q_proj.weight).T, h @ d64(attn.k_proj.weight).T, h @ d64(attn.v_proj.weight).T
+    if cfg.qk_norm != "none":
+        per_head = cfg.qk_norm == "per_head"
+        q = hand_rms_rows(q, d64(attn.qk_norm.q_weight), d if per_head else H * d, cfg.eps)
+        k = hand_rms_rows(k, d64(attn.qk_norm.k_weight), d if per_head else Hk * d, cfg.eps)
+    heads_out = []
+    for head in range(H):
+        kv = head * Hk // H                        # GQA: query head → its kv head
+        qh = hand_rope(q[:, head * d:(head + 1) * d], cfg.rope_theta)
+        kh = hand_rope(k[:, kv * d:(kv + 1) * d], cfg.rope_theta)
+        vh = v[:, kv * d:(kv + 1) * d]
+        scores = qh @ kh.T / math.sqrt(d)
+        scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
+        heads_out.append(torch.softmax(scores, dim=-1) @ vh)
+    return torch.cat(heads_out, dim=-1) @ d64(attn.o_proj.weight).T
+
+
+def hand_mlp(mlp, h):
+    gate, up = h @ d64(mlp.gate_proj.weight).T, h @ d64(mlp.up_proj.weight).T
+    return (gate * torch.sigmoid(gate) * up) @ d64(mlp.down_proj.weight).T
+
+
+def hand_block(block, x, cfg):
+    """The printed equation of cfg.placement, written out by hand for one sequence x (T, width)."""
+    def N(name, v):
+        return hand_norm(block.norms[name], v, cfg.eps)
+
+    def Attn(v):
+        return hand_attention(block.self_attn, v, cfg)
+
+    def MLP(v):
+        return hand_mlp(block.mlp, v)
+
+    p = cfg.placement
+    if p == "post":
+        x = N("attn_res", x + Attn(x))
+        x = N("mlp_res", x + MLP(x))
+    elif p == "pre":
+        x = x + Attn(N("attn_in", x))
+        x = x + MLP(N("mlp_in", x))
+    elif p == "sandwich":
+        x = x + N("attn_out", Attn(N("attn_in", x)))
+        x = x + N("mlp_out", MLP(N("mlp_in", x)))
+    elif p == "post_sublayer":
+        x = x + N("attn_out", Attn(x))
+        x = x + N("mlp_out", MLP(x))
+    elif p == "parallel":
+        h = N("in", x)
+        x = x + Attn(h) + MLP(h)
+    else:
+        x = x + Attn(x)
+        x = x + MLP(x)
+    return x
+
+
+def randomized_model(**config):
+    """A TinyLM whose norm weights and biases are random too, so that each one matters."""
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig.from_size("test", backend="torch", **config))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1 or "q_weight" in name or "k_weight" in name:
+                param.add_(0.3 * torch.randn_like(param))
+    return model
+
+
+CASES = [dict(placement=p) for p in PLACEMENT_NAMES] + [
+    dict(placement="pre", norm="layer", heads=4, kv_heads=2),
+    dict(placement="post", norm="layer", qk_norm="per_layer"),
+    dict(placement="sandwich", qk_norm="per_head", heads=4, kv_heads=1),
+    dict(placement="parallel", qk_norm="per_layer", heads=4, kv_heads=2),
+]
+
+
+@pytest.mark.parametrize("config", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
+def test_forward_equals_printed_equation(config):
+    model = randomized_model(**config)
+    cfg = model.config
+    assert model.block_equation() == EXPECTED_TEXT[cfg.placement]
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    x = model.embed(ids)
+    for block in model.layers:
+        got = block(x)
+        want = torch.stack([hand_block(block, d64(seq), cfg) for seq in x])
+        torch.testing.assert_close(d64(got), want, rtol=1e-5, atol=1e-5)
+        x = got
+    # the whole model: blocks, then the final norm where the config has one, then the head
+    logits, _ = model(ids)
+    h = d64(x)
+    if cfg.has_final_norm:
+        h = hand_norm(model.final_norm, h, cfg.eps)
+    torch.testing.assert_close(d64(logits), h @ d64(model.lm_head.weight).T, rtol=1e-5, atol=1e-5)
+
+
+def test_final_norm_defaults():
+    expected = {"post": False, "pre": True, "sandwich": True, "post_sublayer": True,
+                "parallel": True, "none": False}
+    for placement, on in expected.items():
+        model = TinyLM(TinyLMConfig.from_size("test", placement=placement, backend="torch"))
+        assert isinstance(model.final_norm, normtools.RMSNorm) is on
+    model = TinyLM(TinyLMConfig.from_size("test", placement="post", final_norm=True, norm="layer"))
+    assert isinstance(model.final_norm, normtools.LayerNorm)
+
+
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
+def test_latex_equation_has_the_same_structure(placement):
+    cfg = TinyLMConfig(placement=placement)
+    text, latex = block_equation(cfg, "text"), block_equation(cfg, "latex")
+    assert latex.startswith(r"\begin{aligned}") and latex.endswith(r"\end{aligned}")
+    assert latex.count(r"\leftarrow") == text.count("\n") + 1
+    assert latex.count(r"\mathrm{N}") == text.count("N_")
+    assert latex.count(r"\mathrm{Attn}") == text.count("Attn(")
+    assert latex.count(r"\mathrm{MLP}") == text.count("MLP(")
+
+
+def test_norm_modules_follow_the_equation():
+    """Each block holds exactly the norms its equation names, as normtools modules."""
+    for placement in PLACEMENT_NAMES:
+        model = TinyLM(TinyLMConfig.from_size("test", placement=placement, norm="layer"))
+        names = set(re.findall(r"N_(\w+)\(", EXPECTED_TEXT[placement]))
+        for block in model.layers:
+            assert set(block.norms.keys()) == names
+            assert all(isinstance(n, normtools.LayerNorm) for n in block.norms.values())
+
+
+def test_init_is_gpt2_like():
+    torch.manual_seed(0)
+    depth = 8
+    for scaled in (False, True):
+        model = TinyLM(width=256, depth=depth, heads=4, scaled_residual_init=scaled, backend="torch")
+        q_std = model.layers[0].self_attn.q_proj.weight.std().item()
+        o_std = model.layers[0].self_attn.o_proj.weight.std().item()
+        down_std = model.layers[0].mlp.down_proj.weight.std().item()
+        assert abs(q_std - 0.02) < 0.001
+        expected = 0.02 / math.sqrt(2 * depth) if scaled else 0.02
+        assert abs(o_std - expected) < 0.05 * expected
+        assert abs(down_std - expected) < 0.05 * expected
+        assert torch.equal(model.layers[0].norms["attn_in"].weight, torch.ones(256))
+
+
+def test_set_backend_switches_every_norm():
+    model = TinyLM(TinyLMConfig.from_size("test", placement="sandwich", qk_norm="per_head"))
+    set_backend(model, "torch")
+    norms = [m for m in model.modules() if isinstance(m, (normtools.RMSNorm, normtools.QKNorm))]
+    assert len(norms) == 2 * 4 + 2 + 1          # 4 block norms and 1 QK-Norm per layer, final norm
+    assert all(m.backend == "torch" for m in norms)
+    assert model.config.backend == "torch"
+    with pytest.raises(ValueError, match="backend"):
+        set_backend(model, "cuda")
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(placement="postln"), "placement"),
+    (dict(norm="batch"), "norm"),
+    (dict(qk_norm="global"), "qk_norm"),
+    (dict(width=30, heads=4), "divisible"),
+    (dict(width=36, heads=4), "even"),
+    (dict(heads=4, kv_heads=3), "multiple"),
+])
+def test_config_rejects_bad_values(bad, match):
+    with pytest.raises(ValueError, match=match):
+        TinyLMConfig(**bad)
+
+
+def test_forward_rejects_too_long_input():
+    model = TinyLM(TinyLMConfig.from_size("test", backend="torch"))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        model(torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long))
