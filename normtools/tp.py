@@ -43,6 +43,7 @@ Notebook use. ``spawn`` runs a module-level function on P gloo processes (file:/
 and returns each rank's result; ``compare_naive_vs_allreduce`` is the whole demonstration.
 """
 
+import multiprocessing
 import os
 import tempfile
 
@@ -63,6 +64,8 @@ __all__ = [
     "spawn",
     "run_all",
     "run_sharded_qk_norm",
+    "demo_inputs",
+    "demo_errors",
     "compare_naive_vs_allreduce",
 ]
 
@@ -249,12 +252,18 @@ def _run_rank(rank, fn, world_size, init_method, out_dir, args, kwargs):
 
 def spawn(fn, world_size, *args, **kwargs):
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes (CPU) and
-    return the list of results by rank. ``fn`` must be a module-level function (the processes
-    are spawned, so it is imported, not copied); results travel through ``torch.save``."""
+    return the list of results by rank.
+
+    ``fn`` must be a module-level function (it is imported in the workers, not copied), so this
+    works from a notebook. The workers are forked from multiprocessing's fork server, which
+    imports torch and normtools once (``set_forkserver_preload``) and is reused by later
+    calls; results travel back through ``torch.save``.
+    """
+    multiprocessing.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory() as out_dir:
         init_method = "file://" + os.path.join(out_dir, "rendezvous")
         mp.start_processes(_run_rank, args=(fn, world_size, init_method, out_dir, args, kwargs),
-                           nprocs=world_size, join=True, start_method="spawn")
+                           nprocs=world_size, join=True, start_method="forkserver")
         return [torch.load(os.path.join(out_dir, f"{rank}.pt")) for rank in range(world_size)]
 
 
@@ -293,33 +302,51 @@ def _max_rel_err(actual, expected):
             expected.double().abs().max()).item()
 
 
-def compare_naive_vs_allreduce(world_size=2, *, tokens=4, num_heads=8, num_kv_heads=2,
-                               head_dim=16, eps=1e-6, seed=0):
-    """Spawn ``world_size`` gloo processes and compare per_layer QK-Norm of sharded q/k with the
-    single-process result: returns the max relative errors of the naive version (each shard
-    normalized on its own) and of the all-reduced one, for the q and k outputs (float32)."""
+def demo_inputs(world_size, *, tokens=4, num_heads=8, num_kv_heads=2, head_dim=16, seed=0):
+    """Random float32 per_layer q/k (T, H·D) and weights, cut into per-rank shards.
+
+    Returns (shards, full): ``shards`` is the argument of ``run_sharded_qk_norm`` (zero
+    upstream gradients), ``full`` the dict of whole tensors."""
     gen = torch.Generator().manual_seed(seed)
-    q = torch.randn(tokens, num_heads * head_dim, generator=gen)
-    k = torch.randn(tokens, num_kv_heads * head_dim, generator=gen) * 3
-    q_weight = 1 + 0.1 * torch.randn(num_heads * head_dim, generator=gen)
-    k_weight = 1 + 0.1 * torch.randn(num_kv_heads * head_dim, generator=gen)
-    q_ref, k_ref = _qk.qk_norm(q, k, q_weight, k_weight, eps, head_dim=head_dim,
-                               scope="per_layer", backend="torch")
+    full = {"q": torch.randn(tokens, num_heads * head_dim, generator=gen),
+            "k": 3 * torch.randn(tokens, num_kv_heads * head_dim, generator=gen),
+            "q_weight": 1 + 0.1 * torch.randn(num_heads * head_dim, generator=gen),
+            "k_weight": 1 + 0.1 * torch.randn(num_kv_heads * head_dim, generator=gen)}
     shards = []
     for rank in range(world_size):
         cut = {"head_dim": head_dim, "world_size": world_size, "rank": rank}
-        q_s = shard_columns(q, num_heads=num_heads, **cut)
-        k_s = shard_columns(k, num_heads=num_kv_heads, **cut)
-        shards.append({"q": q_s, "k": k_s, "q_weight": shard_weight(q_weight, num_heads=num_heads,
-                                                                   **cut),
-                       "k_weight": shard_weight(k_weight, num_heads=num_kv_heads, **cut),
-                       "dq_out": torch.zeros_like(q_s), "dk_out": torch.zeros_like(k_s)})
-    results = spawn(run_sharded_qk_norm, world_size, shards, head_dim=head_dim,
-                    scope="per_layer", eps=eps, backend="torch")
+        shard = {name: shard_columns(full[name], num_heads=heads, **cut)
+                 for name, heads in (("q", num_heads), ("k", num_kv_heads),
+                                     ("q_weight", num_heads), ("k_weight", num_kv_heads))}
+        shard["dq_out"], shard["dk_out"] = torch.zeros_like(shard["q"]), torch.zeros_like(shard["k"])
+        shards.append(shard)
+    return shards, full
+
+
+def demo_errors(results, full, *, head_dim=16, eps=1e-6):
+    """Max relative errors, against single-process per_layer QK-Norm of ``full``, of the naive
+    (each shard on its own) and all-reduced outputs in ``results`` (from
+    ``run_sharded_qk_norm`` on ``demo_inputs`` shards)."""
+    world_size = len(results)
+    refs = _qk.qk_norm(full["q"], full["k"], full["q_weight"], full["k_weight"], eps,
+                       head_dim=head_dim, scope="per_layer", backend="torch")
     errors = {}
     for method, key in (("naive", "naive_{}_out"), ("allreduce", "{}_out")):
-        for name, heads, ref in (("q", num_heads, q_ref), ("k", num_kv_heads, k_ref)):
-            full = unshard_columns([r[key.format(name)] for r in results], head_dim=head_dim,
-                                   num_heads=heads, world_size=world_size)
-            errors[f"{method}_{name}"] = _max_rel_err(full, ref)
+        for name, ref in zip(("q", "k"), refs):
+            whole = unshard_columns([r[key.format(name)] for r in results], head_dim=head_dim,
+                                    num_heads=ref.shape[-1] // head_dim, world_size=world_size)
+            errors[f"{method}_{name}"] = _max_rel_err(whole, ref)
     return errors
+
+
+def compare_naive_vs_allreduce(world_size=2, *, tokens=4, num_heads=8, num_kv_heads=2,
+                               head_dim=16, eps=1e-6, seed=0):
+    """Spawn ``world_size`` gloo processes, run per_layer QK-Norm on column-parallel shards of
+    q and k, and return the max relative errors against the single-process result of the
+    naive version (each shard normalized on its own) and of the all-reduced one:
+    ``{"naive_q", "naive_k", "allreduce_q", "allreduce_k"}`` (float32)."""
+    shards, full = demo_inputs(world_size, tokens=tokens, num_heads=num_heads,
+                               num_kv_heads=num_kv_heads, head_dim=head_dim, seed=seed)
+    results = spawn(run_sharded_qk_norm, world_size, shards, head_dim=head_dim,
+                    scope="per_layer", eps=eps, backend="torch")
+    return demo_errors(results, full, head_dim=head_dim, eps=eps)
