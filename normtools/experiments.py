@@ -1,0 +1,210 @@
+"""Experiment drivers for the stability chapter: grids of TinyLM runs, returned as tidy tables.
+
+One *cell* of a grid is a dict of :class:`normtools.models.TinyLMConfig` fields plus the peak
+learning rate ``lr``, e.g. ``{"placement": "pre", "qk_norm": "per_head", "lr": 3e-2}``.
+:func:`run_grid` trains a fresh TinyLM per cell, on the same data, with the same seed (same
+initialization of the weights every cell shares, same batches in the same order), and keeps:
+
+* the per-step records of :func:`normtools.train.train` (loss, global gradient norm, max
+  attention logit, and per layer ``logit_max_<i>``, ``act_rms_<i>``), with the gradient norm
+  of every layer added as ``grad_norm_<i>`` (:func:`layer_grad_norms`);
+* the attended attention logits of all layers on one fixed batch, before and after training
+  (:func:`attention_logits`), for their distribution.
+
+:func:`summarize` reduces each run to one row (final loss, peak logit, spike scores);
+:func:`lr_sensitivity_table` applies Wortsman et al. (2023)'s LR sensitivity per group.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from normtools.models import TinyLM, TinyLMConfig
+from normtools.probes import causal_mask, decoder_layers, recording, split_batch
+from normtools.train import lr_sensitivity, spike_score, train
+
+#: Settings of the stability chapter per ``size``: the model (TinyLMConfig fields), the run
+#: length and batch, and the two learning rates of the placement grid and the LR sweep.
+STABILITY_SIZES = {
+    "test": dict(model=dict(width=32, depth=2, heads=2, max_seq_len=16), steps=6, batch_size=2,
+                 normal_lr=3e-3, high_lr=3e-2, sweep_lrs=(3e-3, 3e-2)),
+    "cpu": dict(model=dict(width=64, depth=4, heads=4, max_seq_len=64), steps=120, batch_size=8,
+                normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1)),
+    "gpu": dict(model=dict(width=512, depth=12, heads=8, max_seq_len=256), steps=2000, batch_size=32,
+                normal_lr=3e-3, high_lr=1e-1,
+                sweep_lrs=(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)),
+}
+
+_CONFIG_FIELDS = {f.name for f in fields(TinyLMConfig)}
+
+
+def grid(**axes) -> list[dict]:
+    """The cartesian product of the axes, as a list of cells (dicts), last axis varying fastest.
+
+    ``grid(placement=["pre", "post"], lr=[1e-3, 1e-2])`` gives four cells.
+    """
+    if not axes:
+        raise ValueError("grid needs at least one axis")
+    for name, values in axes.items():
+        if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
+            raise TypeError(f"axis {name!r} must be a sequence of values, got {values!r}")
+    names = list(axes)
+    return [dict(zip(names, values)) for values in itertools.product(*axes.values())]
+
+
+def cell_key(cell: dict) -> tuple:
+    """A hashable, order-independent key of a cell: its sorted (name, value) pairs."""
+    return tuple(sorted(cell.items()))
+
+
+@contextmanager
+def layer_grad_norms(model: nn.Module):
+    """Within the block, every backward pass appends one row of per-layer gradient norms.
+
+    Yields a list that receives, per backward pass, ``[‖g_0‖, ‖g_1‖, ...]`` with
+    ‖g_i‖ = sqrt(Σ_p ‖∂L/∂p‖²) over the parameters p of decoder layer i (the gradient of that
+    pass alone: the caller clears gradients between passes, as an optimizer loop does). The
+    norms are read by hooks that run when each parameter's gradient is complete.
+    """
+    layers = decoder_layers(model)
+    params = [(i, p) for i, layer in enumerate(layers) for p in layer.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model's decoder layers have no trainable parameters")
+    rows: list[list[float]] = []
+    pending = {"count": 0, "sums": [0.0] * len(layers)}
+
+    def hook_for(i):
+        def hook(p):
+            pending["sums"][i] += p.grad.detach().float().pow(2).sum().item()
+            pending["count"] += 1
+            if pending["count"] == len(params):  # every layer parameter has its gradient
+                rows.append([math.sqrt(s) for s in pending["sums"]])
+                pending["count"], pending["sums"] = 0, [0.0] * len(layers)
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(hook_for(i)) for i, p in params]
+    try:
+        yield rows
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
+def attention_logits(model: nn.Module, batch) -> np.ndarray:
+    """The pre-softmax attention logits s = q·kᵀ/√d of every layer and head on ``batch``, over
+    the attended (causal) pairs only, as one flat float32 array (layer by layer)."""
+    x, _ = split_batch(batch)
+    was_training = model.training
+    model.eval()
+    with recording(model) as rec:
+        model(x)
+        parts = []
+        for layer in rec.layers:
+            logits = layer.self_attn.logits
+            valid = causal_mask(logits.shape[-1], logits.device).expand_as(logits)
+            parts.append(logits[valid].float().cpu().numpy())
+    model.train(was_training)
+    return np.concatenate(parts)
+
+
+@dataclass
+class Run:
+    """One trained cell: its settings, per-step records, and logits before and after training."""
+
+    cell: dict
+    config: TinyLMConfig
+    records: "pandas.DataFrame"
+    logits_init: np.ndarray
+    logits_final: np.ndarray
+
+
+def run_cell(cell: dict, data, base_config: TinyLMConfig, *, steps: int, batch_size: int,
+             seed: int = 0, device: str | torch.device = "cpu", probe_batch_size: int = 4,
+             **train_kwargs) -> Run:
+    """Train a fresh TinyLM (``base_config`` with the cell's fields) at the cell's ``lr``.
+
+    The weights are initialized after ``torch.manual_seed(seed)`` and the batches follow
+    ``seed``, so two cells differ only in what the cell changes. ``train_kwargs`` go to
+    :func:`normtools.train.train`.
+    """
+    if "lr" not in cell:
+        raise ValueError(f"a cell needs a learning rate 'lr', got {cell}")
+    unknown = set(cell) - _CONFIG_FIELDS - {"lr"}
+    if unknown:
+        raise ValueError(f"unknown cell fields {sorted(unknown)}; expected TinyLMConfig fields and 'lr'")
+    config = base_config.replace(**{k: v for k, v in cell.items() if k != "lr"})
+    torch.manual_seed(seed)
+    model = TinyLM(config).to(device)
+    probe = data.get_batch("val", probe_batch_size, config.max_seq_len,
+                           torch.Generator().manual_seed(seed), device)
+    logits_init = attention_logits(model, probe)
+    with layer_grad_norms(model) as grad_rows:
+        records = train(model, data, steps, cell["lr"], batch_size=batch_size, seed=seed,
+                        quiet=True, **train_kwargs)
+    per_layer = np.asarray(grad_rows[:len(records)])
+    for i in range(per_layer.shape[1]):
+        records[f"grad_norm_{i}"] = per_layer[:, i]
+    return Run(cell=dict(cell), config=config, records=records, logits_init=logits_init,
+               logits_final=attention_logits(model, probe))
+
+
+def run_grid(cells, data, base_config: TinyLMConfig, **run_kwargs) -> dict[tuple, Run]:
+    """:func:`run_cell` for each distinct cell (duplicates run once), keyed by :func:`cell_key`."""
+    runs = {}
+    for cell in cells:
+        key = cell_key(cell)
+        if key not in runs:
+            runs[key] = run_cell(cell, data, base_config, **run_kwargs)
+    return runs
+
+
+def summarize(runs, spike_window: int = 20, spike_k: float = 3.0) -> "pandas.DataFrame":
+    """One row per run: the cell's fields, then
+
+    initial_loss, final_loss   validation loss before and after training (``records.attrs``)
+    logit_max_peak             max attention logit over all layers and steps
+    logit_max_final            max attention logit at the last step
+    grad_norm_spike_score      :func:`normtools.train.spike_score` of the global gradient norm
+    loss_spike_score           the same for the training loss
+    diverged                   the loss became non-finite (the run stopped early)
+    """
+    import pandas as pd
+
+    rows = []
+    for run in (runs.values() if isinstance(runs, dict) else runs):
+        rec = run.records
+        rows.append({
+            **run.cell,
+            "initial_loss": rec.attrs.get("initial_loss", float("nan")),
+            "final_loss": rec.attrs.get("final_loss", float("nan")),
+            "logit_max_peak": float(rec["logit_max"].max()),
+            "logit_max_final": float(rec["logit_max"].iloc[-1]),
+            "grad_norm_spike_score": spike_score(rec["grad_norm"], spike_window, spike_k),
+            "loss_spike_score": spike_score(rec["loss"], spike_window, spike_k),
+            "diverged": not math.isfinite(rec["loss"].iloc[-1]),
+        })
+    return pd.DataFrame(rows)
+
+
+def lr_sensitivity_table(summary, by=("placement", "qk_norm")) -> "pandas.DataFrame":
+    """Per group of ``by``: :func:`normtools.train.lr_sensitivity` over the group's learning
+    rates (ℓ₀: the group's initial validation loss), the best lr and its final loss."""
+    import pandas as pd
+
+    rows = []
+    for key, part in summary.groupby(list(by), sort=False):
+        key = key if isinstance(key, tuple) else (key,)
+        losses = dict(zip(part["lr"], part["final_loss"]))
+        best = part.loc[part["final_loss"].idxmin()]
+        rows.append({**dict(zip(by, key)), "n_lrs": len(losses),
+                     "lr_sensitivity": lr_sensitivity(losses, float(part["initial_loss"].mean())),
+                     "best_lr": best["lr"], "best_final_loss": best["final_loss"]})
+    return pd.DataFrame(rows)
