@@ -240,19 +240,23 @@ class _CountCollectives:
             setattr(dist, name, original)
 
 
-def _run_rank(rank, fn, world_size, init_method, out_dir, args, kwargs):
-    """Body of one spawned process: join the gloo group, run fn, save its result."""
+def _run_rank(rank, fn, world_size, dist_backend, init_method, out_dir, args, kwargs):
+    """Body of one spawned process: join the process group, run fn, save its result."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size)
+    if dist_backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(dist_backend, init_method=init_method, rank=rank,
+                            world_size=world_size)
     try:
         torch.save(fn(rank, world_size, *args, **kwargs), os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
-def spawn(fn, world_size, *args, **kwargs):
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` gloo processes (CPU) and
-    return the list of results by rank.
+def spawn(fn, world_size, *args, dist_backend="gloo", **kwargs):
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes joined in a
+    ``dist_backend`` process group (gloo: CPU; nccl: GPU ``rank`` per process) and return the
+    list of results by rank.
 
     ``fn`` must be a module-level function (it is imported in the workers, not copied), so this
     works from a notebook. The workers are forked from multiprocessing's fork server, which
@@ -262,9 +266,10 @@ def spawn(fn, world_size, *args, **kwargs):
     multiprocessing.set_forkserver_preload([__name__])
     with tempfile.TemporaryDirectory() as out_dir:
         init_method = "file://" + os.path.join(out_dir, "rendezvous")
-        mp.start_processes(_run_rank, args=(fn, world_size, init_method, out_dir, args, kwargs),
-                           nprocs=world_size, join=True, start_method="forkserver")
-        return [torch.load(os.path.join(out_dir, f"{rank}.pt")) for rank in range(world_size)]
+        mp.start_processes(_run_rank, nprocs=world_size, join=True, start_method="forkserver",
+                           args=(fn, world_size, dist_backend, init_method, out_dir, args, kwargs))
+        return [torch.load(os.path.join(out_dir, f"{rank}.pt"), map_location="cpu")
+                for rank in range(world_size)]
 
 
 def run_all(rank, world_size, calls):
@@ -273,8 +278,9 @@ def run_all(rank, world_size, calls):
     return [fn(rank, world_size, *args, **kwargs) for fn, args, kwargs in calls]
 
 
-def run_sharded_qk_norm(rank, world_size, shards, **options):
-    """Per-rank worker (for ``spawn``): TP QK-Norm forward and backward of ``shards[rank]``.
+def run_sharded_qk_norm(rank, world_size, shards, device="cpu", **options):
+    """Per-rank worker (for ``spawn``): TP QK-Norm forward and backward of ``shards[rank]``
+    (on ``device``; "cuda" means this rank's GPU).
 
     A shard is a dict with q, k, q_weight, k_weight and the upstream gradients dq_out, dk_out;
     ``options`` go to ``qk_norm`` (head_dim, scope, eps, offset, casting, backend). Returns
@@ -282,7 +288,8 @@ def run_sharded_qk_norm(rank, world_size, shards, **options):
     normalized on its own with the same scope), and ``collectives``, the number of
     torch.distributed collectives that the TP call (forward and backward) made.
     """
-    shard = shards[rank]
+    device = f"cuda:{rank}" if device == "cuda" else device
+    shard = {name: t.to(device) for name, t in shards[rank].items()}
     leaves = {name: shard[name].clone().requires_grad_()
               for name in ("q", "k", "q_weight", "k_weight")}
     with _CountCollectives() as counter:

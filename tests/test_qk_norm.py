@@ -7,15 +7,20 @@ run compiled on CUDA (``-m gpu``), plus larger shapes there.
 """
 
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+import triton
 from _oracle import DEVICES, assert_close_to_oracle, rms_norm_f64, run_with_grads
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import normtools
 from normtools import _launch
+from normtools._kernels import qk_norm as _k
 from normtools import qk as qk_module
 from normtools.reference import rms_norm_reference
 
@@ -166,6 +171,46 @@ def test_many_programs_and_chunks(kind, dtype, monkeypatch):
 def test_large_shapes_cuda(kind, dtype, lead, hq, hk, head_dim):
     check_qk("cuda", "triton", lead, hq, hk, head_dim, kind, dtype, dtype, "gemma", 1.0,
              fused=True)
+
+
+def _compile_for_sm90(kernel, pointers, constexprs, num_warps):
+    """Compile a @triton.jit kernel to a cubin for compute capability 9.0 (no GPU needed)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature = {name: "constexpr" if name in constexprs else pointers.get(
+        name, "fp32" if name in ("eps", "offset") else "i32") for name in kernel.arg_names}
+    source = ASTSource(fn=kernel, signature=signature, constexprs={
+        (kernel.arg_names.index(name),): value for name, value in constexprs.items()})
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": num_warps})
+
+
+def compile_kernels_for_sm90():
+    """Compile forward and backward for sm_90 with the launcher's CUDA block sizes: per-head
+    tiles, one-chunk and chunked per_layer rows; bf16 and fp32. Needs TRITON_INTERPRET unset."""
+    for nq, nk in ((128, 128), (6144, 1024), (9216, 1024)):
+        for dtype in ("bf16", "fp32"):
+            rows, block_nq, block_nk, num_warps = qk_module._blocking(4096, nq, nk, 2, "cuda")
+            sizes = dict(NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk)
+            pointers = {name: f"*{dtype}" for name in ("Q", "K", "QW", "KW", "QY", "KY", "DQY",
+                                                      "DKY", "DQ", "DK")}
+            pointers |= {name: "*fp32" for name in ("Q_RSTD", "K_RSTD", "DQW_PARTIAL",
+                                                    "DKW_PARTIAL")}
+            for kernel, constexprs in ((_k.qk_norm_fwd, sizes | {"ROUND_XHAT": True}),
+                                       (_k.qk_norm_bwd, sizes)):
+                assert "cubin" in _compile_for_sm90(kernel, pointers, constexprs, num_warps).asm
+
+
+def test_kernels_compile_for_cuda():
+    """The interpreter accepts more than the compiler does: both kernels must compile to a
+    cubin for sm_90 (in a fresh process without TRITON_INTERPRET; no GPU needed)."""
+    pytest.importorskip("triton.backends.nvidia")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", "import test_qk_norm as t; "
+                           "t.compile_kernels_for_sm90(); print('ok')"],
+                          cwd=os.path.dirname(__file__), env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-3000:]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -102,23 +102,38 @@ def sharded_runs(request):
     return world_size, runs, (demo, demo_full)
 
 
+def check_against_single_process(world_size, case, ref, results):
+    """Every rank's outputs, and the gathered gradients, against the single-process ones."""
+    name, scope, kind, hq, hk = case[:5]
+    for rank, result in enumerate(results):
+        cut = dict(head_dim=HEAD_DIM, world_size=world_size, rank=rank)
+        for out, heads in (("q_out", hq), ("k_out", hk)):
+            expected = tp.shard_columns(ref[out], num_heads=heads, **cut)
+            err = rel_err(result[out].reshape(expected.shape), expected)
+            assert err <= MAX_REL_ERR, f"{name} rank {rank} {out}: {err:.3g}"
+    for grad, heads in (("dq", hq), ("dk", hk)):
+        whole = tp.unshard_columns([r[grad].flatten(1) for r in results], head_dim=HEAD_DIM,
+                                   num_heads=heads, world_size=world_size, combine="sum")
+        assert rel_err(whole, ref[grad]) <= MAX_REL_ERR, f"{name} {grad}"
+    for grad, heads in (("dq_weight", hq), ("dk_weight", hk)):
+        whole = gather_weight_grad([r[grad] for r in results], kind, heads, world_size)
+        assert rel_err(whole, ref[grad]) <= MAX_REL_ERR, f"{name} {grad}"
+
+
 def test_sharded_equals_single_process(sharded_runs):
     world_size, runs, _ = sharded_runs
     for case, ref, results in runs:
-        name, scope, kind, hq, hk = case[:5]
-        for rank, result in enumerate(results):
-            cut = dict(head_dim=HEAD_DIM, world_size=world_size, rank=rank)
-            for out, heads in (("q_out", hq), ("k_out", hk)):
-                expected = tp.shard_columns(ref[out], num_heads=heads, **cut)
-                err = rel_err(result[out].reshape(expected.shape), expected)
-                assert err <= MAX_REL_ERR, f"{name} rank {rank} {out}: {err:.3g}"
-        for grad, heads in (("dq", hq), ("dk", hk)):
-            whole = tp.unshard_columns([r[grad].flatten(1) for r in results], head_dim=HEAD_DIM,
-                                       num_heads=heads, world_size=world_size, combine="sum")
-            assert rel_err(whole, ref[grad]) <= MAX_REL_ERR, f"{name} {grad}"
-        for grad, heads in (("dq_weight", hq), ("dk_weight", hk)):
-            whole = gather_weight_grad([r[grad] for r in results], kind, heads, world_size)
-            assert rel_err(whole, ref[grad]) <= MAX_REL_ERR, f"{name} {grad}"
+        check_against_single_process(world_size, case, ref, results)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL tensor parallelism needs 2 GPUs")
+def test_nccl_two_gpus():
+    for case in CASES[2]:
+        shards, ref, options = build_case(2, case)
+        results = tp.spawn(tp.run_sharded_qk_norm, 2, shards, dist_backend="nccl",
+                           device="cuda", **options)
+        check_against_single_process(2, case, ref, results)
 
 
 def test_collectives(sharded_runs):
