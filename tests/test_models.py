@@ -14,6 +14,16 @@ import torch
 import normtools
 from normtools.models import PLACEMENT_NAMES, TinyLM, TinyLMConfig, block_equation, set_backend
 
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """These models are tiny: one thread is much faster than two (no spin-waiting on a busy machine)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # What the book prints for each placement (the issue's forms, with the norms named).
 EXPECTED_TEXT = {
     "post": "x = N_attn_res(x + Attn(x))\nx = N_mlp_res(x + MLP(x))",
