@@ -49,9 +49,11 @@ import torch
 
 from normtools import sysinfo
 
-__all__ = ["OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "bytes_moved", "make_inputs", "default_shapes",
-           "time_calls", "copy_bandwidth", "run_sweep", "load_results", "targets_report",
-           "markdown_summary", "add_cli", "main"]
+__all__ = ["OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP_BASELINES",
+           "Unavailable", "default_shapes", "shape_label", "make_inputs", "bytes_moved",
+           "backend_fn", "default_backends", "n_buffer_sets", "input_sets", "time_calls",
+           "summarize", "copy_bandwidth", "bench_case", "run_sweep", "load_results",
+           "targets_report", "markdown_summary", "add_cli", "main"]
 
 ROW_OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm")
 QK_OPS = ("qk_norm_per_head", "qk_norm_per_layer")
@@ -329,19 +331,29 @@ def _sleep_cycles_per_us():
     return _SLEEP_CYCLES_PER_US
 
 
+def _stall(us):
+    """Hold the current CUDA stream busy for about ``us`` microseconds (launches queue behind)."""
+    torch.cuda._sleep(int(us * _sleep_cycles_per_us()))
+
+
 def _time_cuda(calls, warmup, reps):
     n = len(calls)
     for i in range(max(warmup, 1)):
         calls[i % n]()
     torch.cuda.synchronize()
-    # Estimate the host (launch) and device cost of one call.
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # Host cost of one call (an upper bound: the wait for the device is included) ...
     t0 = time.perf_counter()
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    host_us = (time.perf_counter() - t0) * 1e6 / n
+    # ... then its device time, with the launches queued behind a stall.
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    _stall(1.5 * n * host_us + 50)
     start.record()
     for call in calls:
         call()
     end.record()
-    host_us = (time.perf_counter() - t0) * 1e6 / n
     torch.cuda.synchronize()
     device_us = start.elapsed_time(end) * 1e3 / n
     group = max(1, math.ceil(_MIN_SAMPLE_US / max(device_us, 1e-3)))
@@ -351,7 +363,7 @@ def _time_cuda(calls, warmup, reps):
     k = 0
     for first in range(0, reps, batch):
         todo = range(first, min(reps, first + batch))
-        torch.cuda._sleep(int((1.5 * len(todo) * group * host_us + 50) * _sleep_cycles_per_us()))
+        _stall(1.5 * len(todo) * group * host_us + 50)
         for r in todo:
             starts[r].record()
             for _ in range(group):
@@ -405,8 +417,8 @@ def copy_bandwidth(device, nbytes=None, warmup=None, reps=None):
     kind = torch.device(device).type
     nbytes = nbytes or _COPY_BYTES[kind]
     default_warmup, default_reps = _DEFAULT_REPS[kind]
-    g = torch.Generator(device="cpu").manual_seed(0)
-    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g).to(device)
+    g = torch.Generator(device=device).manual_seed(0)
+    src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device=device)
     dst = torch.empty_like(src)
     times, _ = time_calls([lambda: dst.copy_(src)], device,
                           default_warmup if warmup is None else warmup,

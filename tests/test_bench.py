@@ -93,6 +93,45 @@ def test_time_calls_rotates_and_measures_wall_clock():
     assert sorted(times)[3] < 2000.0 + 100_000
 
 
+class _WallClockEvent:
+    """Stands in for torch.cuda.Event: records the host clock (the CUDA timing logic on CPU)."""
+
+    def __init__(self, enable_timing=True):
+        self.t = None
+
+    def record(self):
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1e3  # ms, as CUDA events
+
+
+def test_cuda_timer_logic_with_a_wall_clock_stand_in(monkeypatch):
+    """Grouping, batching and rotation of the CUDA timer, run on the host clock."""
+    monkeypatch.setattr(torch.cuda, "Event", _WallClockEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: time.sleep(cycles / 1e9), raising=False)
+    monkeypatch.setattr(bench, "_SLEEP_CYCLES_PER_US", None)
+    order = []
+
+    def make(i, seconds):
+        def call():
+            order.append(i)
+            if seconds:
+                time.sleep(seconds)
+        return call
+
+    slow = [make(i, 0.001) for i in range(4)]      # 1 ms per call: one call per sample
+    times, group = bench.time_calls(slow, "cuda", warmup=2, reps=5)
+    assert group == 1 and len(times) == 5 and min(times) >= 1000.0
+    assert order == [0, 1] + [0, 1, 2, 3] * 2 + [0, 1, 2, 3, 0]
+    order.clear()
+    fast = [make(i, 0) for i in range(3)]          # far below 20 µs: calls are grouped
+    times, group = bench.time_calls(fast, "cuda", warmup=1, reps=4)
+    assert group > 1 and len(times) == 4
+    assert order[-4 * group:] == [k % 3 for k in range(4 * group)]
+
+
 def test_summarize_percentiles():
     # 1..100: linear interpolation between closest ranks
     stats = bench.summarize(list(range(1, 101)))
