@@ -79,6 +79,9 @@ TERMS = (
     Term("norm card", "The record of every normalization choice of a model (kind, placement, "
          "eps, bias, offset, casting, QK-Norm scope) that `normtools card` prints.",
          "03_solution", "thẻ chuẩn hoá"),
+    Term("latent norm", "An RMSNorm on a low-rank latent rather than on the hidden state or on "
+         "heads, as DeepSeek-V3's q_a_layernorm and kv_a_layernorm {cite}`deepseek2024v3`.",
+         "03_solution", "chuẩn hoá biến ẩn hạng thấp"),
     Term("projection bias", "The additive vector $b$ of a linear projection $Wx + b$ (q, k, v, "
          "o, MLP, router); a choice independent of the norm's own bias.", "03_solution",
          "độ lệch của phép chiếu (bias)"),
