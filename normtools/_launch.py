@@ -30,13 +30,16 @@ MAX_CHUNK_BYTES = 32768
 # Target elements in one program's tile when several short rows share a program. The
 # interpreter pays ~1 ms per program instance, so CPU tiles are larger.
 TILE_ELEMENTS = {"cuda": 4096, "cpu": 65536}
-# Persistent grid size for the backward pass on CPU (interpreter); CUDA uses the SM count.
+# Persistent grid of the backward pass: programs per SM on CUDA (two resident programs per SM
+# hide some load latency; each adds one float32 partial row to reduce), a few on CPU.
+PROGRAMS_PER_SM = 2
 CPU_PROGRAMS = 4
 
 
 def interpreter_requested():
-    """True when the user asked for Triton's interpreter (TRITON_INTERPRET=1)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") or triton.knobs.runtime.interpret
+    """True when the environment asks for Triton's interpreter (TRITON_INTERPRET=1). Only the
+    environment is read, so that torch.compile can trace this."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def resolve_backend(backend, device):
@@ -164,11 +167,12 @@ def _sm_count(index):
 
 
 def num_programs(device, num_blocks):
-    """Size of a persistent grid: about one program per SM on CUDA, CPU_PROGRAMS on CPU,
-    never more than the number of row blocks (and at least 1)."""
+    """Size of a persistent grid: PROGRAMS_PER_SM per SM on CUDA, CPU_PROGRAMS on CPU, never
+    more than the number of row blocks (and at least 1)."""
     device = torch.device(device)
     if device.type == "cuda":
-        limit = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        limit = PROGRAMS_PER_SM * _sm_count(index)
     else:
         limit = CPU_PROGRAMS
     return max(1, min(limit, num_blocks))

@@ -5,6 +5,7 @@ shape, device or value) before anything is launched.
 """
 
 import math
+import numbers
 
 import torch
 
@@ -60,7 +61,7 @@ def check_param(param, x, name):
 
 def check_eps(eps):
     """eps must be a finite real number > 0."""
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
     if not math.isfinite(eps) or eps <= 0:
         raise ValueError(f"eps must be finite and > 0, got {eps}")
@@ -68,7 +69,7 @@ def check_eps(eps):
 
 def check_offset(offset):
     """offset (added to the weight in float32) must be a finite real number."""
-    if isinstance(offset, bool) or not isinstance(offset, (int, float)):
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     if not math.isfinite(offset):
         raise ValueError(f"offset must be finite, got {offset}")

@@ -151,6 +151,9 @@ def test_nonfinite_row_stays_in_its_row(device):
         assert torch.isfinite(y[others]).all()
         assert torch.equal(y[others], clean[others])
         assert not torch.isfinite(y[2]).all()
+        xl = xb.clone().requires_grad_()
+        normtools.layer_norm(xl, w, b, backend="triton").backward(torch.ones_like(y))
+        assert torch.isfinite(xl.grad[others]).all()
 
 
 def test_bad_inputs_raise_before_launch():

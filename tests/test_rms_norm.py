@@ -176,6 +176,9 @@ def test_nonfinite_row_stays_in_its_row(device, casting):
         assert torch.isfinite(y[others]).all()
         assert torch.equal(y[others], clean[others])
         assert not torch.isfinite(y[2]).all()
+        xl = xb.clone().requires_grad_()
+        normtools.rms_norm(xl, w, casting=casting, backend="triton").backward(torch.ones_like(y))
+        assert torch.isfinite(xl.grad[others]).all()
 
 
 def test_bad_inputs_raise_before_launch():
@@ -229,7 +232,8 @@ def test_torch_compile_fullgraph(backend):
 
 
 def test_interpreter_works_without_env_var(tmp_path):
-    """CPU tensors with backend="triton" in a fresh process where TRITON_INTERPRET is unset."""
+    """CPU tensors with backend="triton" in a fresh process where TRITON_INTERPRET is unset; and
+    backend="auto" (the torch reference there) traced by torch.compile(fullgraph=True)."""
     script = (
         "import torch, normtools\n"
         "from normtools.reference import rms_norm_reference\n"
@@ -237,6 +241,8 @@ def test_interpreter_works_without_env_var(tmp_path):
         "y = normtools.rms_norm(x, w, backend='triton')\n"
         "y0 = rms_norm_reference(x, w, 1e-6, 0.0, 'llama')\n"
         "assert (y - y0).abs().max() < 1e-2, (y - y0).abs().max()\n"
+        "auto = torch.compile(normtools.RMSNorm(33), fullgraph=True, backend='eager')(x)\n"
+        "assert torch.equal(auto, rms_norm_reference(x, torch.ones(33), 1e-6, 0.0, 'llama'))\n"
         "print('ok')\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
