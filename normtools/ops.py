@@ -4,7 +4,8 @@ Each op is a ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``
 ``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so
 ``torch.compile(fullgraph=True)`` traces through it. The backend is a plain string argument:
 
-* "torch": the plain-PyTorch reference (normtools.reference), equal to the HF modules;
+* "torch": the plain-PyTorch reference (normtools.reference): the forward equals the HF modules
+  bit for bit; the backward is the analytic float32 gradient (``*_backward_reference``);
 * "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors;
 * "auto": "triton" on CUDA, "torch" on CPU unless TRITON_INTERPRET=1.
 
