@@ -18,12 +18,14 @@ and backward, with g = dy * s (float32):
     dx   = r * (g - xhat * mean_j(g_j * xhat_j))
     dw   = sum over the rows that share w of dy * xhat
 
-Program layout. Program p of one tensor handles ROWS consecutive tokens of one head slot:
+Program layout. Program p of one tensor, which has H_rows head slots per token, handles ROWS
+consecutive tokens of one head slot:
 
-    head slot   = p // n_token_blocks            (always 0 for per_layer)
-    token block = p %  n_token_blocks
+    head slot   = p %  H_rows                    (always 0 for per_layer)
+    token block = p // H_rows
 
-so all rows of a program use the same weight row. That keeps the weight gradient deterministic
+so all rows of a program use the same weight row, and programs with neighbouring ids cover
+neighbouring memory (the head slots of the same tokens). That keeps the weight gradient deterministic
 without atomics: each backward program writes the float32 partial sum of dy * xhat over its
 rows to its own row of DW_PARTIAL, and the launcher sums those rows. The q programs come first
 and the k programs after them: one launch covers both tensors, forward and backward.
@@ -42,10 +44,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _tile(pid, n_tokens, n_token_blocks, ROWS: tl.constexpr):
+def _tile(pid, n_tokens, n_heads, ROWS: tl.constexpr):
     """Head slot, the ROWS token indices and their mask for program ``pid`` of one tensor."""
-    head = pid // n_token_blocks
-    tokens = (pid % n_token_blocks) * ROWS + tl.arange(0, ROWS)
+    head = pid % n_heads
+    tokens = (pid // n_heads) * ROWS + tl.arange(0, ROWS)
     return head, tokens.to(tl.int64), tokens < n_tokens
 
 
@@ -59,12 +61,12 @@ def _normalize(x, rstd, w, offset, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constex
 
 
 @triton.jit
-def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, n_token_blocks, stride_x, stride_y,
+def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, n_heads, stride_x, stride_y,
                     w_head_stride, eps, offset,
                     N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROUND_XHAT: tl.constexpr):
     """Normalize the rows of one program of one tensor (q or k); store y and r."""
-    head, tokens, token_mask = _tile(pid, n_tokens, n_token_blocks, ROWS)
+    head, tokens, token_mask = _tile(pid, n_tokens, n_heads, ROWS)
     x_rows = X + tokens[:, None] * stride_x + head * N      # (ROWS, 1) pointers to row starts
     y_rows = Y + tokens[:, None] * stride_y + head * N
     w_row = W + head * w_head_stride
@@ -98,32 +100,33 @@ def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, n_token_blocks, stride_x, stri
 
 @triton.jit
 def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
-                n_tokens, n_token_blocks, n_q_programs,
+                n_tokens, q_heads, k_heads, n_q_programs,
                 stride_q, stride_k, stride_qy, stride_ky, qw_head_stride, kw_head_stride,
                 eps, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, ROUND_XHAT: tl.constexpr):
-    """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first.
+    """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first;
+    q_heads / k_heads are the head slots per token (H_rows), n_q_programs = q_heads * blocks.
 
     Writes QY, KY (contiguous outputs) and the float32 inverse RMS Q_RSTD, K_RSTD laid out as
     (H_rows, n_tokens), which the backward reuses.
     """
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, n_token_blocks, stride_q, stride_qy,
+        _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, q_heads, stride_q, stride_qy,
                         qw_head_stride, eps, offset, NQ, ROWS, BLOCK_NQ, ROUND_XHAT)
     else:
-        _forward_tensor(K, KW, KY, K_RSTD, pid - n_q_programs, n_tokens, n_token_blocks,
+        _forward_tensor(K, KW, KY, K_RSTD, pid - n_q_programs, n_tokens, k_heads,
                         stride_k, stride_ky, kw_head_stride, eps, offset, NK, ROWS, BLOCK_NK,
                         ROUND_XHAT)
 
 
 @triton.jit
-def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_token_blocks,
+def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_heads,
                      stride_x, stride_dy, stride_dx, w_head_stride, offset,
                      N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
     """dx for the rows of one program of one tensor, and its partial dw row (length N)."""
-    head, tokens, token_mask = _tile(pid, n_tokens, n_token_blocks, ROWS)
+    head, tokens, token_mask = _tile(pid, n_tokens, n_heads, ROWS)
     x_rows = X + tokens[:, None] * stride_x + head * N
     dy_rows = DY + tokens[:, None] * stride_dy + head * N
     dx_rows = DX + tokens[:, None] * stride_dx + head * N
@@ -168,7 +171,7 @@ def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_token_bloc
 
 @triton.jit
 def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW_PARTIAL,
-                n_tokens, n_token_blocks, n_q_programs,
+                n_tokens, q_heads, k_heads, n_q_programs,
                 stride_q, stride_k, stride_dqy, stride_dky, stride_dq, stride_dk,
                 qw_head_stride, kw_head_stride, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
@@ -177,10 +180,10 @@ def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW
     NQ per q program (DKW_PARTIAL likewise for k), summed by the launcher into the weight grads."""
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, n_token_blocks,
+        _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, q_heads,
                          stride_q, stride_dqy, stride_dq, qw_head_stride, offset,
                          NQ, ROWS, BLOCK_NQ)
     else:
         _backward_tensor(K, KW, DKY, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs, n_tokens,
-                         n_token_blocks, stride_k, stride_dky, stride_dk, kw_head_stride,
+                         k_heads, stride_k, stride_dky, stride_dk, kw_head_stride,
                          offset, NK, ROWS, BLOCK_NK)

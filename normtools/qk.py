@@ -178,7 +178,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     n_token_blocks = triton.cdiv(n_tokens, rows)
     kernel_for(_k.qk_norm_fwd, device)[((hq + hk) * n_token_blocks,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
-        n_tokens, n_token_blocks, hq * n_token_blocks,
+        n_tokens, hq, hk, hq * n_token_blocks,
         q2d.stride(0), k2d.stride(0), qy.stride(0), ky.stride(0),
         _head_stride(q_weight, nq), _head_stride(k_weight, nk), eps, offset,
         NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
@@ -187,9 +187,10 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
 
 
 def _sum_partials(partial, heads, weight):
-    """Weight gradient from the per-program float32 partial rows (heads · n_token_blocks, N):
-    sum over token blocks, then over heads when all heads share one weight row."""
-    dw = partial.view(heads, -1, partial.shape[1]).sum(1)
+    """Weight gradient from the per-program float32 partial rows (n_token_blocks · heads, N),
+    program p = block · heads + head: sum over token blocks, then over heads when all heads
+    share one weight row."""
+    dw = partial.view(-1, heads, partial.shape[1]).sum(0)
     return (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)
 
 
@@ -202,13 +203,13 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
     rows, block_nq, block_nk, num_warps = _blocking(n_tokens, nq, nk, q2d.element_size(), device)
     n_token_blocks = triton.cdiv(n_tokens, rows)
-    dqw_partial = torch.zeros(hq * n_token_blocks, nq, device=device, dtype=torch.float32)
-    dkw_partial = torch.zeros(hk * n_token_blocks, nk, device=device, dtype=torch.float32)
+    dqw_partial = torch.empty(hq * n_token_blocks, nq, device=device, dtype=torch.float32)
+    dkw_partial = torch.empty(hk * n_token_blocks, nk, device=device, dtype=torch.float32)
     if n_tokens > 0:
         kernel_for(_k.qk_norm_bwd, device)[((hq + hk) * n_token_blocks,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), dqy, dky, dq, dk,
             q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens, n_token_blocks, hq * n_token_blocks,
+            n_tokens, hq, hk, hq * n_token_blocks,
             q2d.stride(0), k2d.stride(0), dqy.stride(0), dky.stride(0), dq.stride(0),
             dk.stride(0), _head_stride(q_weight, nq), _head_stride(k_weight, nk), offset,
             NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk, num_warps=num_warps)
