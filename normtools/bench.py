@@ -67,7 +67,7 @@ _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torc
 _MIN_SAMPLE_US = 20.0        # CUDA: a sample groups calls until it lasts about this long
 _ROTATION_BUDGET = {"cuda": 8 * 2**30, "cpu": 512 * 2**20}   # bytes of rotated input sets
 _COPY_BYTES = {"cuda": 2**30, "cpu": 128 * 2**20}
-_DEFAULT_REPS = {"cuda": (10, 100), "cpu": (3, 15)}           # (warm-up samples, samples)
+_DEFAULT_REPS = {"cuda": (10, 100), "cpu": (5, 30)}           # (warm-up samples, samples)
 _QUICK_REPS = (1, 3)
 
 

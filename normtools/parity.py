@@ -178,10 +178,16 @@ def _backend_fns(kind, weight, bias, eps, offset, casting):
                                       backend=backend)
         reference_fn = partial(reference.rms_norm_reference, weight=weight, eps=eps,
                                offset=offset, casting=casting)
+    def compiled(x):
+        # A fresh compile for every call: after a few recompiles (new dtypes, shapes, weights)
+        # torch.compile would otherwise fall back to eager without failing.
+        torch.compiler.reset()
+        return torch.compile(reference_fn, dynamic=False)(x)
+
     return {
         "normtools torch": partial(run, backend="torch"),
         "normtools triton": partial(run, backend="triton"),
-        "torch.compile": torch.compile(reference_fn, dynamic=False),
+        "torch.compile": compiled,
     }
 
 
