@@ -25,6 +25,7 @@ from normtools.reference import layer_norm_reference
 
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow])
+SETTINGS_CUDA = settings(SETTINGS, max_examples=10)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -71,12 +72,19 @@ def cases(draw):
     return (*lead, n), dtype, param_dtype, has_weight, has_bias, layout
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @SETTINGS
 @given(case=cases())
-def test_matches_float64(device, backend, case):
-    check_layer_norm(device, backend, *case)
+def test_matches_float64(backend, case):
+    check_layer_norm("cpu", backend, *case)
+
+
+@pytest.mark.gpu
+@SETTINGS_CUDA
+@given(case=cases())
+def test_matches_float64_cuda(case):
+    """The same draws, compiled on CUDA (fewer: each new configuration is a compilation)."""
+    check_layer_norm("cuda", "triton", *case)
 
 
 @pytest.mark.parametrize("device", DEVICES)
