@@ -24,11 +24,12 @@ consecutive tokens of one head slot:
     head slot   = p %  H_rows                    (always 0 for per_layer)
     token block = p // H_rows
 
-so all rows of a program use the same weight row, and programs with neighbouring ids cover
-neighbouring memory (the head slots of the same tokens). That keeps the weight gradient deterministic
-without atomics: each backward program writes the float32 partial sum of dy * xhat over its
-rows to its own row of DW_PARTIAL, and the launcher sums those rows. The q programs come first
-and the k programs after them: one launch covers both tensors, forward and backward.
+so programs with neighbouring ids cover neighbouring memory (the head slots of the same
+tokens) and all rows of a program use the same weight row. The latter keeps the weight
+gradient deterministic without atomics: each backward program writes the float32 partial sum
+of dy * xhat over its rows to its own row of DW_PARTIAL, and the launcher sums those rows.
+The q programs come first and the k programs after them: one launch covers both tensors,
+forward and backward.
 
 Addressing. Element (token t, head slot h, column j) is at  t * stride_t + h * N + j,  its
 weight at  h * w_head_stride + j  (w_head_stride = 0 when all heads share one weight row, N for

@@ -37,6 +37,7 @@ from normtools.reference import (inv_rms, rms_norm_backward_reference, rms_norm_
 __all__ = ["qk_norm", "QKNorm", "SCOPES", "check_qk_inputs"]
 
 SCOPES = ("per_head", "per_layer")
+Tensor = torch.Tensor
 
 
 # ----------------------------------------------------------------------------- input checks
@@ -225,10 +226,9 @@ def _row_lens(q2d, k2d, head_dim, per_layer):
 
 
 @torch.library.custom_op("normtools::qk_norm_fwd", mutates_args=())
-def _qk_norm_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
-                     k_weight: torch.Tensor, head_dim: int, per_layer: bool, eps: float,
-                     offset: float, casting: str, backend: str
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qk_norm_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, head_dim: int,
+                 per_layer: bool, eps: float, offset: float, casting: str,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(qy, ky, q_rstd, k_rstd) for q (T, Hq·head_dim) and k (T, Hk·head_dim); the float32
     inverse RMS is laid out (H_rows, T)."""
     nq, nk = _row_lens(q, k, head_dim, per_layer)
@@ -240,8 +240,7 @@ def _qk_norm_fwd(q: torch.Tensor, k: torch.Tensor, q_weight: torch.Tensor,
 
 
 @_qk_norm_fwd.register_fake
-def _qk_norm_fwd_fake(q, k, q_weight, k_weight, head_dim, per_layer, eps, offset, casting,
-                          backend):
+def _(q, k, q_weight, k_weight, head_dim, per_layer, eps, offset, casting, backend):
     nq, nk = _row_lens(q, k, head_dim, per_layer)
     return (q.new_empty(q.shape, dtype=rms_norm_output_dtype(q.dtype, q_weight.dtype, casting)),
             k.new_empty(k.shape, dtype=rms_norm_output_dtype(k.dtype, k_weight.dtype, casting)),
@@ -250,10 +249,10 @@ def _qk_norm_fwd_fake(q, k, q_weight, k_weight, head_dim, per_layer, eps, offset
 
 
 @torch.library.custom_op("normtools::qk_norm_bwd", mutates_args=())
-def _qk_norm_bwd(dqy: torch.Tensor, dky: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      q_weight: torch.Tensor, k_weight: torch.Tensor, q_rstd: torch.Tensor,
-                      k_rstd: torch.Tensor, head_dim: int, per_layer: bool, offset: float,
-                      backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qk_norm_bwd(dqy: Tensor, dky: Tensor, q: Tensor, k: Tensor, q_weight: Tensor,
+                 k_weight: Tensor, q_rstd: Tensor, k_rstd: Tensor, head_dim: int,
+                 per_layer: bool, offset: float,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dq_weight, dk_weight) from the output gradients and the saved inverse RMS."""
     nq, nk = _row_lens(q, k, head_dim, per_layer)
     if backend == "torch":
@@ -264,8 +263,7 @@ def _qk_norm_bwd(dqy: torch.Tensor, dky: torch.Tensor, q: torch.Tensor, k: torch
 
 
 @_qk_norm_bwd.register_fake
-def _qk_norm_bwd_fake(dqy, dky, q, k, q_weight, k_weight, q_rstd, k_rstd, head_dim,
-                           per_layer, offset, backend):
+def _(dqy, dky, q, k, q_weight, k_weight, q_rstd, k_rstd, head_dim, per_layer, offset, backend):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight),
             torch.empty_like(k_weight))
 
@@ -343,6 +341,6 @@ class QKNorm(nn.Module):
                        backend=self.backend)
 
     def extra_repr(self):
-        return (f"head_dim={self.head_dim}, scope={self.scope}, q_weight={tuple(self.q_weight.shape)}"
-                f", k_weight={tuple(self.k_weight.shape)}, eps={self.eps}, offset={self.offset}, "
-                f"casting={self.casting}")
+        return (f"head_dim={self.head_dim}, scope={self.scope}, "
+                f"q_weight={tuple(self.q_weight.shape)}, k_weight={tuple(self.k_weight.shape)}, "
+                f"eps={self.eps}, offset={self.offset}, casting={self.casting}")

@@ -325,7 +325,8 @@ def demo_inputs(world_size, *, tokens=4, num_heads=8, num_kv_heads=2, head_dim=1
         shard = {name: shard_columns(full[name], num_heads=heads, **cut)
                  for name, heads in (("q", num_heads), ("k", num_kv_heads),
                                      ("q_weight", num_heads), ("k_weight", num_kv_heads))}
-        shard["dq_out"], shard["dk_out"] = torch.zeros_like(shard["q"]), torch.zeros_like(shard["k"])
+        shard["dq_out"] = torch.zeros_like(shard["q"])
+        shard["dk_out"] = torch.zeros_like(shard["k"])
         shards.append(shard)
     return shards, full
 

@@ -151,8 +151,8 @@ def test_naive_per_shard_normalization_is_wrong(sharded_runs):
     errors = tp.demo_errors(demo, demo_full, head_dim=16)
     assert errors["allreduce_q"] <= MAX_REL_ERR and errors["allreduce_k"] <= MAX_REL_ERR
     assert errors["naive_q"] > 1e-2
-    for (name, scope, *_), ref, results in runs:
-        for rank, result in enumerate(results):
+    for (name, scope, *_), _, results in runs:
+        for result in results:
             naive, correct = result["naive_q_out"], result["q_out"]
             if scope == "per_layer":
                 assert rel_err(naive, correct) > 1e-2, name
