@@ -715,15 +715,21 @@ def markdown_summary(data):
 
 # --------------------------------------------------------------------------------------- CLI
 
+_DESCRIPTION = ("Time the normalization ops on every backend over a sweep of shapes; write the "
+                "results, the copy bandwidth and the run conditions as JSON.")
+
+
 def _add_arguments(parser):
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda, cuda:N or auto (cuda when available)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES),
                         help="activation and weight dtype (default: bfloat16 on CUDA, float32 "
                              "on CPU)")
-    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS))
-    parser.add_argument("--backends", nargs="+", choices=BACKENDS,
-                        help="backends to run (default: all that apply to the device)")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
+                        help=f"ops to time (default: all): {', '.join(OPS)}")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, metavar="BACKEND",
+                        help=f"backends to run (default: all that apply to the device): "
+                             f"{', '.join(BACKENDS)}")
     parser.add_argument("--quick", action="store_true", help="one tiny shape per op, 3 samples")
     parser.add_argument("--warmup", type=int, help="warm-up samples")
     parser.add_argument("--reps", type=int, help="timed samples")
@@ -767,7 +773,7 @@ def run_cli(args):
 def add_cli(subparsers):
     """Register the ``bench`` subcommand of the ``normtools`` command line."""
     parser = subparsers.add_parser("bench", help="time the norm ops on every backend (JSON)",
-                                   description=__doc__.splitlines()[0])
+                                   description=_DESCRIPTION)
     _add_arguments(parser)
     parser.set_defaults(func=run_cli)
     return parser
@@ -775,8 +781,7 @@ def add_cli(subparsers):
 
 def main(argv=None):
     """``python -m normtools.bench``: the same options as ``normtools bench``."""
-    parser = argparse.ArgumentParser(prog="python -m normtools.bench",
-                                     description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m normtools.bench", description=_DESCRIPTION)
     _add_arguments(parser)
     return run_cli(parser.parse_args(argv))
 

@@ -3,6 +3,7 @@ the loader and the targets report, the CLI and bench/gpu_check.sh (CPU smoke run
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -269,7 +270,11 @@ def test_cli_and_module_entry_points(quick_results, tmp_path):
 
 
 def test_gpu_check_script_syntax():
-    assert subprocess.run(["bash", "-n", str(REPO / "bench" / "gpu_check.sh")]).returncode == 0
+    script = str(REPO / "bench" / "gpu_check.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+    if shutil.which("shellcheck"):
+        lint = subprocess.run(["shellcheck", script], capture_output=True, text=True)
+        assert lint.returncode == 0, lint.stdout
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU smoke run of the script")
