@@ -7,7 +7,9 @@ returns, per decoder layer ``i``:
     attn_out_rms    RMS of the attention sublayer's output (``self_attn``, after o_proj,
                     before any norm of the block that follows it)
     mlp_out_rms     RMS of the MLP sublayer's output (``mlp``)
-    grad_norm       L2 norm of the gradient of all parameters of block i
+    grad_norm       L2 norm of the gradient of all parameters of block i (its norms included)
+    grad_norm_attn  the same for the attention sublayer's parameters (QK-Norm weights included)
+    grad_norm_mlp   the same for the MLP's parameters
     logit_max       max of the pre-softmax attention logits s = q·kᵀ·scale over the attended
                     (query, key) pairs, all heads and sequences
     logit_p99       their 99th percentile
@@ -37,8 +39,8 @@ import torch.nn.functional as F
 PROBE_ATTENTION = "normtools_probe"
 
 PROFILE_COLUMNS = (
-    "layer", "residual_rms", "attn_out_rms", "mlp_out_rms", "grad_norm",
-    "logit_max", "logit_p99", "logit_abs_mean", "attn_entropy",
+    "layer", "residual_rms", "attn_out_rms", "mlp_out_rms", "grad_norm", "grad_norm_attn",
+    "grad_norm_mlp", "logit_max", "logit_p99", "logit_abs_mean", "attn_entropy",
 )
 
 
@@ -126,21 +128,22 @@ class Recording:
         self.attn_out_rms: dict[int, float] = {}
         self.mlp_out_rms: dict[int, float] = {}
 
-    def logit_stats(self, i: int) -> dict[str, float]:
-        """:func:`logit_stats` of layer i's last attention logits."""
+    def logits(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer i's last attention logits (B, H, Tq, Tk) and the mask of the attended pairs."""
         attn = self.layers[i].self_attn
-        valid = getattr(attn, "logit_mask", None)
+        valid = attn.logit_mask
         if valid is None:
             valid = causal_mask(attn.logits.shape[-1], attn.logits.device)
-        return logit_stats(attn.logits, valid)
+        return attn.logits, valid
+
+    def logit_stats(self, i: int) -> dict[str, float]:
+        """:func:`logit_stats` of layer i's last attention logits."""
+        return logit_stats(*self.logits(i))
 
     def logit_max(self, i: int) -> float:
         """Max attended logit of layer i (cheaper than :meth:`logit_stats`)."""
-        attn = self.layers[i].self_attn
-        valid = getattr(attn, "logit_mask", None)
-        if valid is None:
-            valid = causal_mask(attn.logits.shape[-1], attn.logits.device)
-        return attn.logits.masked_fill(~valid, float("-inf")).max().item()
+        logits, valid = self.logits(i)
+        return logits.masked_fill(~valid, float("-inf")).max().item()
 
 
 @contextmanager
@@ -183,6 +186,12 @@ def recording(model: nn.Module):
             attn.logit_mask = None
 
 
+def grad_norm(module: nn.Module) -> float:
+    """L2 norm of the gradients of all of ``module``'s parameters (those that have one)."""
+    squares = [p.grad.float().pow(2).sum() for p in module.parameters() if p.grad is not None]
+    return torch.stack(squares).sum().sqrt().item() if squares else 0.0
+
+
 def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets): a pair (x, y) as given, or ids (B, T+1) as x = ids[:, :-1], y = ids[:, 1:]."""
     if isinstance(batch, (tuple, list)):
@@ -217,13 +226,14 @@ def depth_profile(model: nn.Module, batch) -> "pandas.DataFrame":
         loss.backward()
         rows = []
         for i, layer in enumerate(layers):
-            grads = [p.grad.float().pow(2).sum() for p in layer.parameters() if p.grad is not None]
             rows.append({
                 "layer": i,
                 "residual_rms": rec.residual_rms[i],
                 "attn_out_rms": rec.attn_out_rms[i],
                 "mlp_out_rms": rec.mlp_out_rms[i],
-                "grad_norm": torch.stack(grads).sum().sqrt().item() if grads else 0.0,
+                "grad_norm": grad_norm(layer),
+                "grad_norm_attn": grad_norm(layer.self_attn),
+                "grad_norm_mlp": grad_norm(layer.mlp),
                 **rec.logit_stats(i),
             })
     model.zero_grad(set_to_none=True)
@@ -242,6 +252,8 @@ METRIC_LABELS = {
     "attn_out_rms": "RMS of the attention output",
     "mlp_out_rms": "RMS of the MLP output",
     "grad_norm": "gradient norm of the layer",
+    "grad_norm_attn": "gradient norm of the attention",
+    "grad_norm_mlp": "gradient norm of the MLP",
     "logit_max": "max attention logit",
     "logit_p99": "99th percentile attention logit",
     "logit_abs_mean": "mean |attention logit|",

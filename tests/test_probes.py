@@ -84,9 +84,11 @@ def test_profile_equals_direct_computation_on_two_layers(placement):
         out = block(h)
         for column, value in (("residual_rms", out), ("attn_out_rms", attn_out), ("mlp_out_rms", mlp_out)):
             assert row[column] == pytest.approx(value.double().pow(2).mean().sqrt().item(), rel=1e-5)
-        grads = torch.autograd.grad(loss, list(block.parameters()), retain_graph=True)
-        grad_norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads))
-        assert row["grad_norm"] == pytest.approx(grad_norm, rel=1e-5)
+        for column, module in (("grad_norm", block), ("grad_norm_attn", block.self_attn),
+                               ("grad_norm_mlp", block.mlp)):
+            grads = torch.autograd.grad(loss, list(module.parameters()), retain_graph=True)
+            want = math.sqrt(sum(g.double().pow(2).sum().item() for g in grads))
+            assert row[column] == pytest.approx(want, rel=1e-5), column
         for name, value in direct_stats(direct_logits(block.self_attn, attn_in, cfg)).items():
             assert row[name] == pytest.approx(value, rel=1e-4, abs=1e-6), name
         h = out

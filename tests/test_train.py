@@ -10,7 +10,7 @@ import torch
 
 from normtools import data
 from normtools.models import TinyLM, TinyLMConfig
-from normtools.train import lr_at, lr_sensitivity, per_layer, spike_score, train
+from normtools.train import lr_at, lr_sensitivity, lr_sweep, per_layer, spike_score, train
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +162,18 @@ def test_high_lr_without_qk_norm_grows_attention_logits(text):
     assert without > 5 * max_logit("per_head", 0.1)
     assert without > 5 * max_logit("per_layer", 0.1)
     assert without > 10 * max_logit("none", 3e-3)           # the growth comes with the high lr
+
+
+def test_lr_sweep_trains_a_fresh_model_per_lr(text):
+    kwargs = dict(batch_size=4, quiet=True, eval_batches=1)
+    sweep = lr_sweep(tiny_model, text, [1e-3, 3e-2], steps=22, **kwargs)
+    assert list(sweep["lr"]) == [1e-3, 3e-2]
+    assert sweep["initial_loss"].iloc[0] == sweep["initial_loss"].iloc[1]
+    direct = train(tiny_model(), text, 22, 3e-2, **kwargs)
+    row = sweep.iloc[1]
+    assert row["final_loss"] == direct.attrs["final_loss"]
+    assert row["logit_max"] == direct["logit_max"].max()
+    assert row["loss_spike_score"] == spike_score(direct["loss"])
 
 
 @pytest.mark.gpu
