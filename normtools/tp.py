@@ -14,30 +14,33 @@ the ranks, so normalizing each shard on its own (the *naive* version) is wrong: 
 rank's mean of squares instead of the token's. Let rank j hold n = N/P columns (or, replicated,
 n = D columns of one of the Hk heads) x_j of a token, and let M = P·n.
 
-Forward. Each rank computes its float32 sum of squares s_j = Σ_{i∈j} x_i², and one all-reduce
-(of the (T, 2) tensor holding q's and k's sums together) gives S = Σ_j s_j. Then
+Forward. Each rank computes its float32 sum of squares σ_j = Σ_{i∈j} x_i², and one all-reduce
+(of the (T, 2) tensor holding q's and k's sums together) gives S = Σ_j σ_j. Then
 
     r = rsqrt(S / M + eps),   y_j = (offset + w_j) · x_j · r     (with the casting conventions)
 
 using only the local weight slice w_j. Why M = P·n: without replication M = N and S / M is the
 mean of squares. With replication each of the Hk heads sits on R = P/Hk ranks, so S counts every
 head R times, S = R·Σ_{i<N} x_i², while M = P·D = R·Hk·D = R·N: the factor R cancels. (This is
-vLLM's "all-reduce the per-rank means, divide by P": S/M = (1/P)·Σ_j s_j/n.)
+vLLM's "all-reduce the per-rank means, divide by P": S/M = (1/P)·Σ_j σ_j/n.)
 
-Backward. With x̂ = x·r, g = dy ⊙ (offset + w), the single-device gradient is
+Backward. With x̂ = x·r, s = offset + w and g = dy ⊙ s, the single-device gradient is
 
     dx = r · (g − x̂ · (1/N) Σ_{i<N} g_i x̂_i),     dw = Σ_tokens dy ⊙ x̂.
 
 The sum over i again spans all ranks: a second all-reduce, of the per-token C = Σ_j Σ_{i∈j}
 g_i x̂_i (q and k together), after which rank j forms dx_j = r · (g_j − x̂_j · C / M) locally.
 The weight gradient needs no communication: column i of w only meets column i of x.
-With replication, the R copies of a k head are separate tensors downstream (each rank's
-attention uses its own copy), so the gradient of the one true k head is the sum of the
-copies' gradients, G = Σ_copies dy_copy. C sums every copy's g·x̂ once, which is Σ_i G_i w_i x̂_i
-as the single-device formula wants; and summing dx_j = r · (g_j − x̂_j · C/(R·N)) over the R
-copies gives r · (G ⊙ w − x̂ · C/N), the single-device dx. Likewise the weight gradient of a
-replicated slice is the sum over its copies (what a trainer does for any replicated
-parameter). ``unshard_columns(..., combine="sum")`` performs these sums for checking.
+
+With replication, the R copies of a k head are used separately downstream (each rank's
+attention reads its own copy), so the single-device computation they stand for receives the
+upstream gradient G = Σ_copies dy_copy, and the gradient of the true k (or of its weight
+slice) is the sum of the copies' gradients. C adds every copy's g·x̂ once, which is exactly
+Σ_{i<N} (G ⊙ s)_i x̂_i, the sum the single-device formula needs; and summing
+dx_j = r · (g_j − x̂_j · C/(R·N)) over the R copies gives r · (G ⊙ s − x̂ · C/N), the
+single-device dx. Likewise the weight gradients of the copies add up to the single-device one
+(what a trainer does for any replicated parameter). ``unshard_columns(..., combine="sum")``
+performs these sums when checking against one process.
 
 Notebook use. ``spawn`` runs a module-level function on P gloo processes (file:// rendezvous)
 and returns each rank's result; ``compare_naive_vs_allreduce`` is the whole demonstration.
