@@ -249,8 +249,9 @@ def learned_shapes(model):
     """Every learned norm scale and bias, and every projection bias, of ``model``.
 
     Returns a list of dicts (one per parameter, in module order) with keys module (qualified
-    name), class, parameter, kind ("norm scale", "norm bias", "norm <name>" for another
-    parameter of a norm, "projection bias"), shape, dtype and numel. A norm module is one whose
+    name), class, parameter, kind ("norm scale" for a norm parameter named ``*weight``, e.g.
+    QKNorm's ``q_weight``; "norm bias" for ``*bias``; "norm <name>" for another parameter of a
+    norm; "projection bias"), shape, dtype and numel. A norm module is one whose
     class name contains "Norm"; a projection is any other module with a 2-D ``weight`` and a
     ``bias`` parameter (``nn.Linear``, GPT-2's ``Conv1D``).
     """
@@ -258,8 +259,8 @@ def learned_shapes(model):
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
         if _is_norm(module):
-            kinds = {p: {"weight": "norm scale", "bias": "norm bias"}.get(p, f"norm {p}")
-                     for p in own}
+            kinds = {p: "norm scale" if p.endswith("weight") else
+                        "norm bias" if p.endswith("bias") else f"norm {p}" for p in own}
         elif "bias" in own and getattr(module, "weight", None) is not None \
                 and module.weight.dim() == 2:
             kinds = {"bias": "projection bias"}

@@ -224,3 +224,15 @@ def test_learned_shapes_gpt2_layer_norm_bias_and_conv1d():
         ("projection bias", (n,)): 2 * layers,    # attn.c_proj, mlp.c_proj
         ("projection bias", (4 * n,)): layers,    # mlp.c_fc
     })
+
+
+def test_learned_shapes_tinylm_qk_norm_weights():
+    from normtools.models import TinyLM, TinyLMConfig
+
+    cfg = TinyLMConfig(qk_norm="per_head")
+    rows = learned_shapes(TinyLM(cfg))
+    qk = [r for r in rows if r["parameter"] in ("q_weight", "k_weight")]
+    assert qk and all(r["kind"] == "norm scale" for r in qk)
+    params = dict(TinyLM(cfg).named_parameters())
+    for r in rows:   # every row names a real parameter of that shape
+        assert tuple(params[f"{r['module']}.{r['parameter']}"].shape) == r["shape"]
