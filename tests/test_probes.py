@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from normtools.analysis import tiny_hf_model
 from normtools.models import TinyLM, TinyLMConfig, apply_rope
 from normtools.probes import PROFILE_COLUMNS, depth_profile, plot_depth_profile
 
@@ -113,38 +114,28 @@ def test_depth_24_pre_ln_grows_post_ln_stays_near_one():
 HF_MODELS = ["llama", "qwen3", "olmo2", "gemma3"]
 
 
-def tiny_hf_model(kind, attn_implementation="sdpa"):
-    import transformers as tf
-
-    common = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
-                  num_attention_heads=4, num_key_value_heads=2, attn_implementation=attn_implementation)
-    config = {
-        "llama": lambda: tf.LlamaConfig(**common),
-        "qwen3": lambda: tf.Qwen3Config(head_dim=16, **common),
-        "olmo2": lambda: tf.Olmo2Config(pad_token_id=0, bos_token_id=1, eos_token_id=2, **common),
-        "gemma3": lambda: tf.Gemma3TextConfig(head_dim=16, sliding_window=8, **common),
-    }[kind]()
-    model_class = {"llama": tf.LlamaForCausalLM, "qwen3": tf.Qwen3ForCausalLM,
-                   "olmo2": tf.Olmo2ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[kind]
+def tiny_hf(kind, attn_implementation="sdpa"):
+    """A random tiny HF model (normtools.analysis.tiny_hf_model), 3 layers, Gemma 3 window 8."""
     torch.manual_seed(0)
-    return model_class(config).eval()
+    extra = {"sliding_window": 8} if kind == "gemma3" else {}
+    return tiny_hf_model(kind, num_hidden_layers=3, attn_implementation=attn_implementation, **extra)
 
 
 @pytest.mark.parametrize("kind", HF_MODELS)
 def test_profile_of_hf_models_matches_their_own_outputs(kind):
     """Residual RMS from HF's hidden states, entropy from HF's eager attention probabilities,
     loss from HF's own loss; the probe leaves the model's attention implementation as it was."""
-    model = tiny_hf_model(kind)
-    ids = batch_of(128, B=2, T=21)
+    model = tiny_hf(kind)
+    ids = batch_of(64, B=2, T=21)
     df = depth_profile(model, ids)
     assert model.config._attn_implementation == "sdpa"
     assert len(df) == 3 and df["model_type"].iloc[0] == model.config.model_type
 
-    eager = tiny_hf_model(kind, attn_implementation="eager")
+    eager = tiny_hf(kind, attn_implementation="eager")
     eager.load_state_dict(model.state_dict())
     with torch.no_grad():
         out = eager(ids[:, :-1], output_hidden_states=True, output_attentions=True)
-    loss = F.cross_entropy(out.logits.reshape(-1, 128), ids[:, 1:].reshape(-1))
+    loss = F.cross_entropy(out.logits.reshape(-1, 64), ids[:, 1:].reshape(-1))
     assert df.attrs["loss"] == pytest.approx(loss.item(), rel=1e-5)
     # hidden_states[i + 1] is layer i's output, except the last (HF applies the final norm to it)
     for i in range(2):
@@ -160,8 +151,8 @@ def test_profile_of_hf_models_matches_their_own_outputs(kind):
 
 def test_gemma3_sliding_window_limits_the_attended_pairs():
     """On a local layer with window w each query attends at most w keys: an entropy ≤ log(w)."""
-    model = tiny_hf_model("gemma3")
-    df = depth_profile(model, batch_of(128, B=2, T=33))
+    model = tiny_hf("gemma3")
+    df = depth_profile(model, batch_of(64, B=2, T=33))
     local = [i for i, t in enumerate(model.config.layer_types) if t == "sliding_attention"]
     assert local
     assert (df["attn_entropy"].iloc[local] <= math.log(model.config.sliding_window) + 1e-6).all()
