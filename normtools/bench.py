@@ -21,9 +21,10 @@ is recorded with status "error". Nothing is silently dropped.
 
 Timing. Each sample is one call (or, on CUDA, the mean of a group of calls lasting ≥ 20 µs).
 The inputs rotate over several buffer sets, enough that together they are ≥ 2× the last-level
-cache (GPU L2, CPU L3), so no call finds its inputs in cache. CUDA: events around each sample,
-with the stream first held busy by ``torch.cuda._sleep`` so that the launches queue up and the
-events measure device time, not Python launch overhead (the method of
+cache (GPU L2, CPU L3), so no call finds its inputs in cache; each output is kept until its set
+comes round again, so the outputs rotate too (``rotating_calls``). CUDA: events around each
+sample, with the stream first held busy by ``torch.cuda._sleep`` so that the launches queue up
+and the events measure device time, not Python launch overhead (the method of
 ``triton.testing.do_bench``, without its per-call cache flush, which the rotation replaces).
 CPU: ``time.perf_counter_ns`` around each call. Reported: p50, p95, p99, mean and min in µs.
 
@@ -51,7 +52,8 @@ from normtools import sysinfo
 
 __all__ = ["OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP_BASELINES",
            "Unavailable", "default_shapes", "shape_label", "make_inputs", "bytes_moved",
-           "backend_fn", "default_backends", "n_buffer_sets", "input_sets", "time_calls",
+           "backend_fn", "default_backends", "n_buffer_sets", "input_sets", "rotating_calls",
+           "time_calls",
            "summarize", "copy_bandwidth", "bench_case", "run_sweep", "load_results",
            "targets_report", "markdown_summary", "add_cli", "main"]
 
@@ -436,6 +438,19 @@ def _max_abs_diff(a, b):
     return float((a.detach().float() - b.detach().float()).abs().max()) if a.numel() else 0.0
 
 
+def rotating_calls(fn, sets):
+    """One zero-argument call per input set. Each keeps its output until its set comes round
+    again, so the outputs rotate over as many buffers as the inputs: the allocator cannot hand
+    every call the same, still cached, output block."""
+    kept = [None] * len(sets)
+
+    def call(i):
+        kept[i] = None
+        kept[i] = fn(sets[i])
+
+    return [partial(call, i) for i in range(len(sets))]
+
+
 def _skip_or_error(backend, exc):
     """Status and reason of a backend that raised: a third-party backend that fails here
     (torch.compile without a working compiler, Liger) is "skipped"; normtools is an "error"."""
@@ -468,7 +483,7 @@ def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, chec
         out = fn(sets[0])
         if check is not None:
             row["max_abs_diff"] = _max_abs_diff(out, check)
-        times, group = time_calls([partial(fn, t) for t in sets], device, warmup, reps)
+        times, group = time_calls(rotating_calls(fn, sets), device, warmup, reps)
     except Exception as exc:  # recorded in the results; the sweep goes on
         status, reason = _skip_or_error(backend, exc)
         return {**row, "status": status, "reason": reason}, None

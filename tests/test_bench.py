@@ -94,6 +94,23 @@ def test_time_calls_rotates_and_measures_wall_clock():
     assert sorted(times)[3] < 2000.0 + 100_000
 
 
+def test_rotating_calls_keep_outputs_in_distinct_buffers():
+    sets = [{"x": torch.full((256, 256), float(i))} for i in range(5)]
+    seen = []
+
+    def fn(t):
+        y = t["x"] + 1
+        seen.append((int(t["x"][0, 0]), y.data_ptr()))
+        return y
+
+    calls = bench.rotating_calls(fn, sets)
+    for k in range(10):
+        calls[k % 5]()
+    assert [i for i, _ in seen] == [k % 5 for k in range(10)]
+    # the five outputs of one rotation are alive at once, so they sit in five buffers
+    assert len({ptr for _, ptr in seen[5:]}) == 5
+
+
 class _WallClockEvent:
     """Stands in for torch.cuda.Event: records the host clock (the CUDA timing logic on CPU)."""
 
