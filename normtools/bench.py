@@ -629,7 +629,8 @@ SPEEDUP_BASELINES = ("torch-compile", "liger")
 
 
 def targets_report(data):
-    """The issue's performance targets checked on a results dict (``run_sweep``'s output).
+    """The issue's performance targets checked on a results dict (``run_sweep``'s output) or
+    on the path of a results JSON file.
 
     * % of copy bandwidth of normtools-triton (``BANDWIDTH_TARGETS``): rms_norm ≥ 90 % for
       N ≥ 2048, rms_norm_fwd_bwd ≥ 80 % for N ≥ 2048, qk_norm_per_head ≥ 80 %;
@@ -640,6 +641,8 @@ def targets_report(data):
     when the needed measurement is missing (backend skipped or failed), with the reason in
     ``note``. Meant for a CUDA results file; on CPU the numbers are not the issue's targets.
     """
+    if isinstance(data, (str, Path)):
+        data = _read_json(data)
     ok = {}
     for row in data["results"]:
         ok[(row["op"], shape_label(row["shape"]), row["backend"])] = row

@@ -238,7 +238,7 @@ def _row(op, backend, shape, p50, pct=50.0, status="ok"):
             "status": status, "reason": "" if status == "ok" else "not installed"}
 
 
-def test_targets_report_on_hand_made_results():
+def test_targets_report_on_hand_made_results(tmp_path):
     small, big = {"M": 4096, "N": 1024}, {"M": 4096, "N": 4096}
     head = {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}
     data = {"conditions": {"device": "cuda"}, "results": [
@@ -264,6 +264,9 @@ def test_targets_report_on_hand_made_results():
     liger = report[("speedup vs liger ≥ 1.0", "rms_norm", "M=4096 N=4096")]
     assert liger["passed"] is None and "not installed" in liger["note"]
     assert len(report) == 6
+    stored = tmp_path / "gpu.json"
+    stored.write_text(json.dumps(data))
+    assert bench.targets_report(stored) == bench.targets_report(data)
     summary = bench.markdown_summary({**data, "copy_bandwidth_gbs": 4000.0, "conditions": {
         "device": "cuda", "python": "3.12", "dtype": "bfloat16", "warmup": 10, "reps": 100,
         "utc": "now", "gpu": {"name": "NVIDIA H200"}}})
