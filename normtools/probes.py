@@ -266,17 +266,8 @@ def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement"
     """One panel per metric against the layer index, one line per value of column ``by``
     (a single line if ``df`` has no such column). ``ax``: an Axes or a sequence of Axes, one per
     metric. Returns the figure."""
-    import matplotlib.pyplot as plt
-
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    if ax is None:
-        fig, axes = plt.subplots(1, len(metrics), figsize=(4.2 * len(metrics), 3.2), squeeze=False)
-        axes = axes[0]
-    else:
-        axes = np.atleast_1d(ax)
-        if len(axes) != len(metrics):
-            raise ValueError(f"got {len(axes)} axes for {len(metrics)} metrics")
-        fig = axes[0].figure
+    fig, axes = panels(len(metrics), ax)
     groups = df.groupby(by, sort=False) if by in df.columns else [(None, df)]
     for metric, axis in zip(metrics, axes):
         for label, part in groups:
@@ -290,3 +281,16 @@ def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement"
             axis.legend(title=by, fontsize="small")
     fig.tight_layout()
     return fig
+
+
+def panels(n: int, ax=None):
+    """(figure, n axes): new side-by-side panels, or the given Axes (one, or a sequence of n)."""
+    import matplotlib.pyplot as plt
+
+    if ax is None:
+        fig, axes = plt.subplots(1, n, figsize=(4.2 * n, 3.2), squeeze=False)
+        return fig, list(axes[0])
+    axes = list(np.atleast_1d(ax))
+    if len(axes) != n:
+        raise ValueError(f"got {len(axes)} axes for {n} panels")
+    return axes[0].figure, axes
