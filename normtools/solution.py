@@ -10,14 +10,17 @@ stored weight in the other convention keeps s:
 stored: in float32 it is (s is the same float32 number the module would compute), in bfloat16 it
 is rounded, and 1 + w loses the low bits of a small w (in bfloat16, 1 + 2⁻⁹ rounds to 1).
 :func:`head_rms` reads each head's RMS of a (..., H·head_dim) projection, the quantity that a
-per-head QK-Norm sets to 1 and a per-layer one leaves free.
+per-head QK-Norm sets to 1 and a per-layer one leaves free. :func:`naive_tp_qk_norm` is the
+mistake a tensor-parallel port of a per-layer QK-Norm can make: each rank normalizes its own
+column shard with the shard's mean square instead of the token's (``normtools.tp.qk_norm`` is the
+right version, with one all-reduce).
 """
 
 import torch
 
-from normtools import _validate
+from normtools import _validate, qk, tp
 
-__all__ = ["convert_scale", "head_rms"]
+__all__ = ["convert_scale", "head_rms", "naive_tp_qk_norm"]
 
 
 def convert_scale(weight, from_offset, to_offset, dtype=None):
@@ -49,3 +52,35 @@ def head_rms(x, head_dim):
         raise ValueError(f"last dimension {x.shape[-1]} is not a multiple of head_dim={head_dim}")
     heads = x.to(torch.float32).unflatten(-1, (x.shape[-1] // head_dim, head_dim))
     return heads.pow(2).mean(-1).sqrt()
+
+
+def naive_tp_qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, head_dim, world_size, offset=0.0,
+                     casting="llama"):
+    """Per-layer QK-Norm as P = ``world_size`` ranks would compute it without communication.
+
+    q (T, Hq·head_dim), k (T, Hk·head_dim) and the per-layer weights are split by heads as a
+    column-parallel projection splits them (``normtools.tp.shard_columns``/``shard_weight``);
+    each rank j normalizes its shard x_j on its own,
+
+        y_j = (offset + w_j) · x_j · rsqrt(mean(x_j²) + eps),
+
+    and the shards are put back together (``tp.unshard_columns``). Returns (q_naive, k_naive),
+    to compare with the single-device ``normtools.qk_norm(..., scope="per_layer")``.
+    """
+    qk.check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, "per_layer", offset, casting, "torch")
+    if q.dim() != 2 or k.dim() != 2:
+        raise ValueError(f"q and k must be (tokens, H*head_dim), got {tuple(q.shape)} and {tuple(k.shape)}")
+    heads = {"q": q.shape[-1] // head_dim, "k": k.shape[-1] // head_dim}
+    pieces = {"q": [], "k": []}
+    for rank in range(world_size):
+        cut = dict(head_dim=head_dim, world_size=world_size, rank=rank)
+        q_j = tp.shard_columns(q, num_heads=heads["q"], **cut)
+        k_j = tp.shard_columns(k, num_heads=heads["k"], **cut)
+        wq_j = tp.shard_weight(q_weight, num_heads=heads["q"], **cut)
+        wk_j = tp.shard_weight(k_weight, num_heads=heads["k"], **cut)
+        q_out, k_out = qk.qk_norm(q_j, k_j, wq_j, wk_j, eps, head_dim=head_dim, scope="per_layer",
+                                  offset=offset, casting=casting, backend="torch")
+        pieces["q"].append(q_out)
+        pieces["k"].append(k_out)
+    return tuple(tp.unshard_columns(pieces[name], head_dim=head_dim, num_heads=heads[name],
+                                    world_size=world_size) for name in ("q", "k"))

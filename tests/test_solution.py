@@ -5,7 +5,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from normtools.solution import convert_scale, head_rms
+from normtools.solution import convert_scale, head_rms, naive_tp_qk_norm
 
 
 def _norms(dim, w_gemma, w_llama, eps=1e-6):
@@ -76,3 +76,50 @@ def test_head_rms_refuses_bad_input():
         head_rms(torch.ones(2, 8), 0)
     with pytest.raises(TypeError):
         head_rms(torch.ones(2, 8, dtype=torch.int64), 4)
+
+
+def _shard_norm_float64(x, weight, eps, head_dim, world_size):
+    """Each of world_size contiguous column blocks normalized on its own, in float64."""
+    x, weight = x.double(), weight.double()
+    blocks = zip(x.chunk(world_size, dim=-1), weight.chunk(world_size))
+    return torch.cat([b * torch.rsqrt(b.pow(2).mean(-1, keepdim=True) + eps) * w for b, w in blocks], -1)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_naive_tp_qk_norm_matches_float64_shard_math(world_size):
+    gen = torch.Generator().manual_seed(3)
+    tokens, hq, hk, d = 5, 8, 4, 16
+    scales = torch.logspace(-1, 1, hq)
+    q = (torch.randn(tokens, hq, d, generator=gen) * scales[:, None]).flatten(-2)
+    k = torch.randn(tokens, hk * d, generator=gen)
+    wq, wk = 1 + 0.1 * torch.randn(hq * d, generator=gen), 1 + 0.1 * torch.randn(hk * d, generator=gen)
+    q_naive, k_naive = naive_tp_qk_norm(q, k, wq, wk, 1e-6, head_dim=d, world_size=world_size)
+    torch.testing.assert_close(q_naive.double(), _shard_norm_float64(q, wq, 1e-6, d, world_size),
+                               rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(k_naive.double(), _shard_norm_float64(k, wk, 1e-6, d, world_size),
+                               rtol=2e-6, atol=1e-6)
+
+
+def test_naive_tp_qk_norm_is_exact_on_one_rank_and_wrong_on_two():
+    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2RMSNorm
+
+    gen = torch.Generator().manual_seed(4)
+    d, hq, hk = 8, 4, 2
+    q = (torch.randn(3, hq, d, generator=gen) * torch.tensor([0.1, 1.0, 5.0, 2.0])[:, None]).flatten(-2)
+    k = torch.randn(3, hk * d, generator=gen)
+    q_norm = MiniMaxM2RMSNorm(hq * d, 1e-6)
+    with torch.no_grad():
+        q_norm.weight.copy_(1 + 0.1 * torch.randn(hq * d, generator=gen))
+        expected = q_norm(q)
+        one, _ = naive_tp_qk_norm(q, k, q_norm.weight, torch.ones(hk * d), 1e-6, head_dim=d, world_size=1)
+        two, _ = naive_tp_qk_norm(q, k, q_norm.weight, torch.ones(hk * d), 1e-6, head_dim=d, world_size=2)
+    assert torch.equal(one, expected)
+    assert not torch.allclose(two, expected, rtol=1e-2)
+
+
+def test_naive_tp_qk_norm_refuses_bad_input():
+    q, k = torch.ones(2, 32), torch.ones(2, 16)
+    with pytest.raises(ValueError):
+        naive_tp_qk_norm(q, k, torch.ones(32), torch.ones(16), head_dim=8, world_size=3)
+    with pytest.raises(ValueError):
+        naive_tp_qk_norm(q, k, torch.ones(31), torch.ones(16), head_dim=8, world_size=2)
