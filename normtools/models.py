@@ -24,10 +24,11 @@ over the whole projection (``per_layer``, OLMo 2); it is always an RMSNorm, as i
 
 MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``, hidden width ≈ 8/3 · width (Llama).
 
-Init (GPT-2 / nanoGPT): every linear and embedding weight ~ N(0, 0.02²); with
-``scaled_residual_init`` the two projections that write into the residual stream (``o_proj``,
-``down_proj``) use std 0.02 / √(2·depth). Norm weights start at 1, biases at 0. No biases in
-linear layers; the embedding and the output head are not tied.
+Init (GPT-2 / nanoGPT): every linear and embedding weight ~ N(0, init_std²), init_std = 0.02
+by default; with ``scaled_residual_init`` (off by default) the two projections that write into
+the residual stream (``o_proj``, ``down_proj``) use std init_std / √(2·depth) instead. Norm
+weights start at 1, biases at 0. No biases in linear layers; the embedding and the output head
+are not tied.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import normtools
+from normtools import _validate
 
 PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
 NORM_NAMES = ("rms", "layer")
@@ -86,6 +88,8 @@ class TinyLMConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.n_kv_heads})")
         if min(self.vocab_size, self.depth, self.max_seq_len) < 1:
             raise ValueError("vocab_size, depth and max_seq_len must be positive")
+        _validate.check_eps(self.eps)
+        _validate.check_backend(self.backend)
 
     @classmethod
     def from_size(cls, size: str, **overrides) -> "TinyLMConfig":
@@ -202,13 +206,12 @@ def norm_names(placement: str) -> list[str]:
 # Modules
 
 
-def make_norm(config: TinyLMConfig, dim: int | None = None) -> nn.Module:
-    """The configured normtools norm over ``dim`` features (default: the model width)."""
-    dim = config.width if dim is None else dim
+def make_norm(config: TinyLMConfig) -> nn.Module:
+    """The configured normtools norm (RMSNorm, or LayerNorm with bias) over the model width."""
     if config.norm == "rms":
-        norm = normtools.RMSNorm(dim, config.eps)
+        norm = normtools.RMSNorm(config.width, config.eps)
     else:
-        norm = normtools.LayerNorm(dim, config.eps)
+        norm = normtools.LayerNorm(config.width, config.eps)
     norm.backend = config.backend
     return norm
 
@@ -358,7 +361,7 @@ class TinyLM(nn.Module):
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
     """Switch every normtools norm of ``model`` (RMSNorm, LayerNorm, QKNorm) to ``backend``."""
-    _check_choice("backend", backend, ("auto", "torch", "triton"))
+    _validate.check_backend(backend)
     norm_types = (normtools.RMSNorm, normtools.LayerNorm, normtools.QKNorm)
     for module in model.modules():
         if isinstance(module, norm_types):

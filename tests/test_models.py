@@ -227,6 +227,8 @@ def test_set_backend_switches_every_norm():
     (dict(width=30, heads=4), "divisible"),
     (dict(width=36, heads=4), "even"),
     (dict(heads=4, kv_heads=3), "multiple"),
+    (dict(eps=0.0), "eps"),
+    (dict(backend="cuda"), "backend"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
