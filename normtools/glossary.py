@@ -49,6 +49,13 @@ TERMS = (
     Term("parallel block", "Placement $x \\leftarrow x + \\mathrm{Attn}(N(x)) + \\mathrm{MLP}(N(x))$: "
          "attention and MLP read the same normalized input {cite}`cohere2024commandr`.",
          "01_definition", "khối song song"),
+    Term("block equation", "One Transformer block written as updates of the residual stream with "
+         "its norms, e.g. $x \\leftarrow x + \\mathrm{Attn}(N(x))$.", "02_flow", "phương trình khối"),
+    Term("depth profile", "Per-layer RMS of the residual stream and of each branch, and per-layer "
+         "gradient norm, from one forward and backward pass.", "02_flow", "hồ sơ theo độ sâu"),
+    Term("learning-rate warm-up", "Raising the learning rate from near zero over the first steps "
+         "of training, which post-norm needs {cite}`xiong2020layer`.", "02_flow",
+         "khởi động tốc độ học"),
     Term("final norm", "The norm applied to the residual stream after the last block, before "
          "the output head.", "02_flow", "chuẩn hoá cuối"),
     # --- the norm itself ----------------------------------------------------------------------
@@ -59,6 +66,8 @@ TERMS = (
          "chuẩn hoá căn quân phương (RMSNorm)"),
     Term("RMS", "Root mean square of a vector, $\\sqrt{\\mathrm{mean}(x^2)}$; RMSNorm divides "
          "each token's features by it.", "01_definition", "căn quân phương"),
+    Term("statistics", "The per-row quantities a norm computes (mean square; mean and variance), "
+         "always in float32 here whatever the input dtype.", "01_definition", "thống kê (của hàng)"),
     Term("epsilon", "The small constant $\\epsilon$ added to the mean square before the square "
          "root; it matters when a row's mean square is not much larger than $\\epsilon$.",
          "03_solution", "hằng số epsilon (số hạng ổn định)"),
@@ -91,15 +100,17 @@ TERMS = (
          "01_definition", "chuẩn hoá truy vấn–khoá (QK-Norm)"),
     Term("per-head QK-Norm", "QK-Norm whose statistics cover one head ($d_{head}$ features), "
          "with one weight shared by all heads; Qwen3 and Gemma 3 {cite}`yang2025qwen3`.",
-         "03_solution", "QK-Norm theo từng đầu"),
+         "02_flow", "QK-Norm theo từng đầu"),
     Term("per-layer QK-Norm", "QK-Norm whose statistics cover the whole projection "
          "($H \\cdot d_{head}$ features); OLMo 2 and MiniMax-M2 {cite}`minimax2025m2`.",
          "03_solution", "QK-Norm theo cả lớp"),
+    Term("QK-Norm scope", "Which features one QK-Norm statistic covers: one head (per-head) or "
+         "the whole projection (per-layer).", "02_flow", "phạm vi của QK-Norm"),
     Term("attention logits", "The scores $q \\cdot k / \\sqrt{d}$ before the softmax; their growth "
          "is a known cause of training divergence {cite}`wortsman2023smallscale`.",
          "04a_profiling_stability", "logit chú ý"),
     Term("GQA", "Grouped-query attention: several query heads share one key/value head "
-         "{cite}`ainslie2023gqa`.", "03_solution", "chú ý truy vấn theo nhóm (GQA)"),
+         "{cite}`ainslie2023gqa`.", "02_flow", "chú ý truy vấn theo nhóm (GQA)"),
     Term("RoPE", "Rotary position embedding: q and k are rotated by position-dependent angles "
          "{cite}`su2021roformer`; QK-Norm is applied before it.", "02_flow",
          "mã hoá vị trí xoay (RoPE)"),
