@@ -98,18 +98,18 @@ def norm_inputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
 # ----------------------------------------------------------------------------------------------
 # Cost per row
 
-aten = torch.ops.aten
+_aten = torch.ops.aten
 #: Elementwise arithmetic: one operation per output element.
-_ELEMENTWISE = {aten.add.Tensor, aten.add.Scalar, aten.sub.Tensor, aten.sub.Scalar, aten.mul.Tensor,
-                aten.mul.Scalar, aten.div.Tensor, aten.div.Scalar, aten.pow.Tensor_Scalar,
-                aten.rsqrt.default, aten.sqrt.default, aten.neg.default, aten.rsub.Scalar}
+_ELEMENTWISE = {_aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.Scalar, _aten.mul.Tensor,
+                _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar, _aten.pow.Tensor_Scalar,
+                _aten.rsqrt.default, _aten.sqrt.default, _aten.neg.default, _aten.rsub.Scalar}
 #: Reductions: one operation per input element.
-_REDUCTIONS = {aten.sum.dim_IntList, aten.sum.default, aten.mean.dim, aten.mean.default}
+_REDUCTIONS = {_aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim, _aten.mean.default}
 #: Data movement only (views, casts, copies, allocation): no arithmetic.
-_FREE = {aten._to_copy.default, aten.view.default, aten._unsafe_view.default, aten.reshape.default,
-         aten.expand.default, aten.clone.default, aten.copy_.default, aten.detach.default,
-         aten.alias.default, aten.empty.memory_format, aten.t.default, aten.unsqueeze.default,
-         aten.squeeze.dim, aten.lift_fresh.default}
+_FREE = {_aten._to_copy.default, _aten.view.default, _aten._unsafe_view.default, _aten.reshape.default,
+         _aten.expand.default, _aten.clone.default, _aten.copy_.default, _aten.detach.default,
+         _aten.alias.default, _aten.empty.memory_format, _aten.t.default, _aten.unsqueeze.default,
+         _aten.squeeze.dim, _aten.lift_fresh.default}
 
 
 class _FlopCounter(TorchDispatchMode):
@@ -134,8 +134,8 @@ def count_flops(fn, *args, **kwargs):
 
     Counted at the ATen level: an elementwise op costs one operation per output element, a sum
     or mean one per input element, casts, views, copies and ops without a tensor result nothing.
-    An ATen op outside these lists raises NotImplementedError rather than being counted wrong. Run it on meta tensors to
-    count without computing.
+    An ATen op outside these lists raises NotImplementedError rather than being counted wrong.
+    Run it on meta tensors to count without computing.
     """
     counter = _FlopCounter()
     with counter:
@@ -155,17 +155,19 @@ def tensor_bytes(*values) -> int:
 
 
 def _cost_cases(rows, n, dtype):
-    """(op, direction, function, inputs) of the four reference computations, on meta tensors."""
+    """(op, direction, function, arguments, tensors read) of the four reference computations, on
+    meta tensors. LayerNorm's backward takes the bias only to know that db is wanted: not read."""
     def t(*shape, dt=dtype):
         return torch.empty(*shape, dtype=dt, device="meta")
 
     x, dy, w, b = t(rows, n), t(rows, n), t(n), t(n)
     stat = t(rows, 1, dt=torch.float32)
     return [
-        ("rms_norm", "forward", reference.rms_norm_reference, (x, w, 1e-6)),
-        ("rms_norm", "backward", reference.rms_norm_backward_reference, (dy, x, w, stat)),
-        ("layer_norm", "forward", reference.layer_norm_reference, (x, w, b, 1e-5)),
-        ("layer_norm", "backward", reference.layer_norm_backward_reference, (dy, x, w, b, stat, stat)),
+        ("rms_norm", "forward", reference.rms_norm_reference, (x, w, 1e-6), (x, w)),
+        ("rms_norm", "backward", reference.rms_norm_backward_reference, (dy, x, w, stat), (dy, x, w, stat)),
+        ("layer_norm", "forward", reference.layer_norm_reference, (x, w, b, 1e-5), (x, w, b)),
+        ("layer_norm", "backward", reference.layer_norm_backward_reference, (dy, x, w, b, stat, stat),
+         (dy, x, w, stat, stat)),
     ]
 
 
@@ -175,16 +177,16 @@ def row_costs(n: int, dtype: torch.dtype = torch.bfloat16, rows: int = 4096) -> 
     The four functions of ``normtools.reference`` run on ``rows`` × ``n`` meta tensors of
     ``dtype`` (weights in ``dtype``, saved statistics float32). ``flops`` counts what the
     reference code executes (:func:`count_flops`); ``bytes`` is what a fused kernel must move:
-    every tensor argument read once and every tensor result written once (forward: x, w[, b] in,
-    y out; the statistics a training forward also saves are not counted; backward: dy, x, w[, b]
-    and the saved statistics in, dx, dw[, db] out). Both are divided by ``rows`` (weights are
+    every input read once and every result written once (forward: x, w[, b] in, y out; the
+    statistics a training forward also saves are not counted; backward: dy, x, w and the saved
+    statistics in, dx, dw[, db] out). Both are divided by ``rows`` (weights are
     shared by all rows). Returns one dict per (op, direction) with flops_per_row,
     bytes_per_row and flops_per_byte.
     """
     results = []
-    for op, direction, fn, args in _cost_cases(rows, n, dtype):
+    for op, direction, fn, args, read in _cost_cases(rows, n, dtype):
         out, flops = count_flops(fn, *args)
-        nbytes = tensor_bytes(args, out)
+        nbytes = tensor_bytes(read, out)
         results.append({"op": op, "direction": direction, "n": n, "dtype": str(dtype).removeprefix("torch."),
                         "flops_per_row": flops / rows, "bytes_per_row": nbytes / rows,
                         "flops_per_byte": flops / nbytes})
