@@ -216,6 +216,11 @@ def make_norm(config: TinyLMConfig) -> nn.Module:
     return norm
 
 
+def causal_mask(T: int, device=None) -> torch.Tensor:
+    """(T, T) bool, True where query i may attend key j (j ≤ i)."""
+    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
+
+
 def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of the rotary angles, shape (seq_len, head_dim): position t, pair i
     (columns i and i + head_dim/2) turns by t · theta^(−2i/head_dim)."""
@@ -268,8 +273,7 @@ class CausalSelfAttention(nn.Module):
         logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
         if self.keep_logits:
             self.logits = logits.detach()
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        probs = torch.softmax(logits.masked_fill(~causal, float("-inf")).float(), dim=-1)
+        probs = torch.softmax(logits.masked_fill(~causal_mask(T, x.device), float("-inf")).float(), dim=-1)
         y = probs.to(v.dtype) @ v                                      # (B, H, T, d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
 

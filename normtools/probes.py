@@ -36,6 +36,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from normtools.models import causal_mask
+
 PROBE_ATTENTION = "normtools_probe"
 
 PROFILE_COLUMNS = (
@@ -56,11 +58,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 def rms(v: torch.Tensor) -> float:
     """sqrt(mean(v²)) over every element, in float32."""
     return v.detach().float().pow(2).mean().sqrt().item()
-
-
-def causal_mask(T: int, device=None) -> torch.Tensor:
-    """(T, T) bool, True where query i may attend key j (j ≤ i)."""
-    return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
 def logit_stats(logits: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:

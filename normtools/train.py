@@ -110,7 +110,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
     depth = len(decoder_layers(model))
     attrs = {"lr": lr, "steps": steps, "precision": precision}
     if eval_batches:
-        attrs["initial_loss"] = evaluate(model, data, batches=eval_batches, batch_size=batch_size, seq_len=seq_len)
+        attrs["initial_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
 
     records = []
     model.train()
@@ -148,7 +148,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
             break
     bar.close()
     if eval_batches:
-        attrs["final_loss"] = evaluate(model, data, batches=eval_batches, batch_size=batch_size, seq_len=seq_len)
+        attrs["final_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
     df = pd.DataFrame(records)
     df.attrs.update(attrs)
     return df
@@ -157,12 +157,13 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
 def per_layer(records, metric: str) -> "pandas.DataFrame":
     """The per-layer columns ``<metric>_<i>`` of :func:`train`'s records as a (steps × layers)
     frame, columns 0..depth−1, indexed by step."""
-    columns = sorted((c for c in records.columns if c.startswith(f"{metric}_") and c[len(metric) + 1:].isdigit()),
-                     key=lambda c: int(c[len(metric) + 1:]))
-    if not columns:
-        raise ValueError(f"no per-layer columns {metric}_<i> in the records")
-    out = records.set_index("step")[columns]
-    out.columns = [int(c[len(metric) + 1:]) for c in columns]
+    prefix = f"{metric}_"
+    layers = sorted(int(c[len(prefix):]) for c in records.columns
+                    if c.startswith(prefix) and c[len(prefix):].isdigit())
+    if not layers:
+        raise ValueError(f"no per-layer columns {prefix}<i> in the records")
+    out = records.set_index("step")[[f"{prefix}{i}" for i in layers]]
+    out.columns = layers
     return out
 
 
