@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from normtools.models import causal_mask
+from normtools.models import PLACEMENT_NAMES, TinyLM, causal_mask
 
 PROBE_ATTENTION = "normtools_probe"
 
@@ -242,6 +242,19 @@ def depth_profile(model: nn.Module, batch) -> "pandas.DataFrame":
         df["placement"], df["norm"], df["qk_norm"] = config.placement, config.norm, config.qk_norm
     df.attrs["loss"] = loss.item()
     return df
+
+
+def profile_placements(batch, placements=PLACEMENT_NAMES, seed: int = 0, **config) -> "pandas.DataFrame":
+    """:func:`depth_profile` of a freshly initialized TinyLM (seeded with ``seed``, so every
+    placement starts from the same random draws) per placement, concatenated; ``config`` are
+    TinyLM's keyword arguments (``depth=24``, ``norm="layer"``, ...)."""
+    import pandas as pd
+
+    frames = []
+    for placement in placements:
+        torch.manual_seed(seed)
+        frames.append(depth_profile(TinyLM(placement=placement, **config), batch))
+    return pd.concat(frames, ignore_index=True)
 
 
 METRIC_LABELS = {

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from normtools.analysis import tiny_hf_model
 from normtools.models import TinyLM, TinyLMConfig, apply_rope
-from normtools.probes import PROFILE_COLUMNS, depth_profile, plot_depth_profile
+from normtools.probes import PROFILE_COLUMNS, depth_profile, plot_depth_profile, profile_placements
 
 matplotlib.use("Agg")
 
@@ -159,20 +159,16 @@ def test_gemma3_sliding_window_limits_the_attended_pairs():
 
 
 def test_plot_depth_profile_labels_and_lines():
-    frames = []
-    for placement in ("pre", "post"):
-        torch.manual_seed(0)
-        model = TinyLM(TinyLMConfig.from_size("test", placement=placement, depth=3, backend="torch"))
-        frames.append(depth_profile(model, batch_of(256)))
-    import pandas as pd
-
-    df = pd.concat(frames)
+    config = TinyLMConfig.from_size("test", depth=3, backend="torch")
+    df = profile_placements(batch_of(256), ("pre", "post"), seed=0, config=config)
+    torch.manual_seed(0)
+    post = depth_profile(TinyLM(config, placement="post"), batch_of(256))
     fig = plot_depth_profile(df, metrics=("residual_rms", "grad_norm", "logit_max"), by="placement")
     axes = fig.axes
     assert len(axes) == 3
     assert [a.get_xlabel() for a in axes] == ["layer"] * 3
     assert axes[1].get_ylabel() == "gradient norm of the layer"
     assert [line.get_label() for line in axes[0].get_lines()] == ["pre", "post"]
-    np.testing.assert_allclose(axes[0].get_lines()[1].get_ydata(), frames[1]["residual_rms"])
+    np.testing.assert_allclose(axes[0].get_lines()[1].get_ydata(), post["residual_rms"])
     with pytest.raises(ValueError, match="axes"):
         plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), ax=axes[0])
