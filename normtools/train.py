@@ -27,7 +27,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
-from tqdm.auto import tqdm
+from tqdm import tqdm  # the text bar: tqdm.auto warns at import in kernels without ipywidgets
 
 from normtools.probes import decoder_layers, next_token_loss, panels, recording
 

@@ -114,6 +114,8 @@ def test_train_records_deterministic_and_quiet(text, capsys):
             for _ in range(2)]
     captured = capsys.readouterr()
     assert captured.err == "" and captured.out == ""
+    train(tiny_model(), text, 2, 3e-3, batch_size=2, eval_batches=0)
+    assert "lr=0.003" in capsys.readouterr().err                 # the progress bar, when asked
     pd.testing.assert_frame_equal(runs[0], runs[1])
     df = runs[0]
     assert list(df["step"]) == list(range(12))
