@@ -220,6 +220,26 @@ def test_set_backend_switches_every_norm():
         set_backend(model, "cuda")
 
 
+@pytest.mark.parametrize("placement, qk_norm, norm", [("sandwich", "per_head", "rms"),
+                                                      ("post", "per_layer", "layer")])
+def test_triton_backend_gives_the_same_forward_and_gradients(placement, qk_norm, norm):
+    """All norms switched to the Triton kernels (Triton's interpreter on CPU) agree with the
+    PyTorch reference: values and gradients of every parameter."""
+    model = randomized_model(placement=placement, qk_norm=qk_norm, norm=norm)
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(2))
+    results = []
+    for backend in ("torch", "triton"):
+        set_backend(model, backend)
+        model.zero_grad()
+        logits, loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        results.append((logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (want_logits, want_grads), (got_logits, got_grads) = results
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(placement="postln"), "placement"),
     (dict(norm="batch"), "norm"),
