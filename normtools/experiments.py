@@ -33,13 +33,12 @@ from normtools.train import lr_sensitivity, spike_score, train
 #: Settings of the stability chapter per ``size``: the model (TinyLMConfig fields), the run
 #: length and batch, and the two learning rates of the placement grid and the LR sweep.
 STABILITY_SIZES = {
-    "test": dict(model=dict(width=32, depth=2, heads=2, max_seq_len=16), steps=6, batch_size=2,
+    "test": dict(model=dict(width=32, depth=2, heads=2, max_seq_len=16), steps=24, batch_size=2,
                  normal_lr=3e-3, high_lr=3e-2, sweep_lrs=(3e-3, 3e-2)),
-    "cpu": dict(model=dict(width=64, depth=4, heads=4, max_seq_len=64), steps=120, batch_size=8,
+    "cpu": dict(model=dict(width=64, depth=4, heads=4, max_seq_len=32), steps=100, batch_size=8,
                 normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1)),
-    "gpu": dict(model=dict(width=512, depth=12, heads=8, max_seq_len=256), steps=2000, batch_size=32,
-                normal_lr=3e-3, high_lr=1e-1,
-                sweep_lrs=(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)),
+    "gpu": dict(model=dict(width=512, depth=8, heads=8, max_seq_len=256), steps=1000, batch_size=32,
+                normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)),
 }
 
 _CONFIG_FIELDS = {f.name for f in fields(TinyLMConfig)}
@@ -82,10 +81,10 @@ def layer_grad_norms(model: nn.Module):
 
     def hook_for(i):
         def hook(p):
-            pending["sums"][i] += p.grad.detach().float().pow(2).sum().item()
+            pending["sums"][i] = pending["sums"][i] + p.grad.detach().float().pow(2).sum()
             pending["count"] += 1
             if pending["count"] == len(params):  # every layer parameter has its gradient
-                rows.append([math.sqrt(s) for s in pending["sums"]])
+                rows.append(torch.stack(pending["sums"]).sqrt().tolist())  # one device sync
                 pending["count"], pending["sums"] = 0, [0.0] * len(layers)
         return hook
 
@@ -175,8 +174,14 @@ def summarize(runs, spike_window: int = 20, spike_k: float = 3.0) -> "pandas.Dat
     grad_norm_spike_score      :func:`normtools.train.spike_score` of the global gradient norm
     loss_spike_score           the same for the training loss
     diverged                   the loss became non-finite (the run stopped early)
+
+    A run with no more than ``spike_window`` steps (one that diverged early) has no spike
+    scores: they are NaN.
     """
     import pandas as pd
+
+    def scored(series):
+        return spike_score(series, spike_window, spike_k) if len(series) > spike_window else float("nan")
 
     rows = []
     for run in (runs.values() if isinstance(runs, dict) else runs):
@@ -187,8 +192,8 @@ def summarize(runs, spike_window: int = 20, spike_k: float = 3.0) -> "pandas.Dat
             "final_loss": rec.attrs.get("final_loss", float("nan")),
             "logit_max_peak": float(rec["logit_max"].max()),
             "logit_max_final": float(rec["logit_max"].iloc[-1]),
-            "grad_norm_spike_score": spike_score(rec["grad_norm"], spike_window, spike_k),
-            "loss_spike_score": spike_score(rec["loss"], spike_window, spike_k),
+            "grad_norm_spike_score": scored(rec["grad_norm"]),
+            "loss_spike_score": scored(rec["loss"]),
             "diverged": not math.isfinite(rec["loss"].iloc[-1]),
         })
     return pd.DataFrame(rows)

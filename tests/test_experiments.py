@@ -144,3 +144,10 @@ def test_sizes_grow_from_cpu_to_gpu():
     for size in ex.STABILITY_SIZES.values():
         TinyLMConfig(**size["model"])  # valid configs
         assert size["normal_lr"] in size["sweep_lrs"] and size["high_lr"] in size["sweep_lrs"]
+
+
+def test_summarize_gives_nan_spike_scores_to_runs_too_short_to_score(data):
+    runs = ex.run_grid([{"lr": 1e-3}], data, TINY, steps=5, batch_size=2, seed=0, eval_batches=0)
+    row = ex.summarize(runs, spike_window=20).iloc[0]
+    assert math.isnan(row["grad_norm_spike_score"]) and math.isnan(row["loss_spike_score"])
+    assert math.isnan(row["final_loss"])  # no evaluation asked for
