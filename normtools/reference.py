@@ -24,6 +24,7 @@ __all__ = [
     "inv_rms",
     "rms_norm_output_dtype",
     "rms_norm_reference",
+    "rms_norm_apply",
     "rms_norm_backward_reference",
     "layer_norm_statistics",
     "layer_norm_reference",
@@ -64,9 +65,18 @@ def rms_norm_reference(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
 
     ``weight=None`` means no learned scale: y = x̂ in the output dtype (the offset is unused).
     """
+    return rms_norm_apply(x, inv_rms(x, eps), weight, offset, casting)
+
+
+def rms_norm_apply(x, rstd, weight=None, offset=0.0, casting="llama"):
+    """The last step of ``rms_norm_reference`` for a given float32 inverse RMS ``rstd`` (``(..., 1)``).
+
+    y = (offset + w) · (x.float() · r).to(x.dtype)  ("llama"),  (x.float() · r · (offset + w)).to(x.dtype)
+    ("gemma"). Split out for callers whose statistic spans more than the local row, such as
+    per-layer QK-Norm under tensor parallelism, where r comes from an all-reduce.
+    """
     input_dtype = x.dtype
-    hidden = x.to(torch.float32)
-    hidden = hidden * inv_rms(hidden, eps)
+    hidden = x.to(torch.float32) * rstd
     if weight is None:
         return hidden.to(input_dtype)
     out_dtype = rms_norm_output_dtype(input_dtype, weight.dtype, casting)

@@ -56,7 +56,7 @@ import torch.multiprocessing as mp
 
 from normtools import qk as _qk
 from normtools._launch import as_rows
-from normtools.reference import rms_norm_output_dtype
+from normtools.reference import rms_norm_apply
 
 __all__ = [
     "head_range",
@@ -135,15 +135,6 @@ def unshard_columns(pieces, *, head_dim, num_heads, world_size, combine="first")
 
 # ----------------------------------------------------------------------------- per_layer op
 
-def _scale(x, rstd, weight, offset, casting):
-    """y = (offset + w) · cast(x·r) ("llama") or cast(x·r·(offset + w)) ("gemma"), for a given
-    float32 inverse RMS r (T, 1): the last step of ``rms_norm_reference``."""
-    hidden = x.to(torch.float32) * rstd
-    scale = offset + weight.to(torch.float32)
-    y = scale * hidden.to(x.dtype) if casting == "llama" else hidden * scale
-    return y.to(rms_norm_output_dtype(x.dtype, weight.dtype, casting))
-
-
 def _all_reduce_per_token(q_part, k_part, group):
     """One all-reduce (sum) of two per-token float32 vectors, q's and k's stacked as (T, 2)."""
     both = torch.stack([q_part, k_part], dim=-1)
@@ -163,8 +154,8 @@ class _PerLayerQKNorm(torch.autograd.Function):
         k_rstd = torch.rsqrt(k_sum_sq / (world_size * k.shape[-1]) + eps)
         ctx.save_for_backward(q, k, q_weight, k_weight, q_rstd, k_rstd)
         ctx.offset, ctx.group, ctx.world_size = offset, group, world_size
-        return (_scale(q, q_rstd, q_weight, offset, casting),
-                _scale(k, k_rstd, k_weight, offset, casting))
+        return (rms_norm_apply(q, q_rstd, q_weight, offset, casting),
+                rms_norm_apply(k, k_rstd, k_weight, offset, casting))
 
     @staticmethod
     def backward(ctx, dqy, dky):
