@@ -108,3 +108,24 @@ def test_every_term_link_in_the_book_resolves():
             # {term}`text <target>` links to target
             name = re.sub(r"^.*<(.+)>$", r"\1", target).strip().lower()
             assert name in defined, f"{path.name}: {{term}}`{target}` is not in normtools/glossary.py"
+
+
+def test_sync_notebook_rewrites_only_the_glossary_cell(tmp_path):
+    copy = tmp_path / "glossary.ipynb"
+    nb = nbformat.read(GLOSSARY_NOTEBOOK, as_version=4)
+    (cell,) = [c for c in nb.cells if c.cell_type == "markdown" and "{glossary}" in c.source]
+    cell.source = "```{glossary}\nold term\n  stale definition\n```"
+    nbformat.write(nb, copy)
+    assert glossary.sync_notebook(copy) is True
+    synced = nbformat.read(copy, as_version=4)
+    assert [c.source for c in synced.cells if "{glossary}" in c.source] == [glossary.to_myst()]
+    others = [c.source for c in synced.cells if "{glossary}" not in c.source]
+    assert others == [c.source for c in nb.cells if "{glossary}" not in c.source]
+    assert glossary.sync_notebook(copy) is False
+
+
+def test_sync_notebook_needs_exactly_one_glossary_cell(tmp_path):
+    path = tmp_path / "none.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# no glossary")]), path)
+    with pytest.raises(ValueError, match="found 0"):
+        glossary.sync_notebook(path)
