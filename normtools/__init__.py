@@ -21,10 +21,12 @@ _PUBLIC = {
     # model norm specs
     "count_parameters": "normtools.spec",
     "patch": "normtools.patching",
+    "PatchError": "normtools.patching",
 }
 _SUBMODULES = {
     "ops", "modules", "reference", "qk", "tp", "spec", "patching",
-    "models", "probes", "train", "data", "parity", "bench", "cli",
+    "models", "probes", "train", "data", "parity", "bench", "sysinfo", "cli",
+    "analysis", "solution", "experiments", "glossary", "notebook", "book_build",
 }
 
 __all__ = sorted(_PUBLIC) + sorted(_SUBMODULES)
