@@ -460,10 +460,15 @@ def _skip_or_error(backend, exc):
     return "error", reason
 
 
+_MEASURED = ("p50_us", "p95_us", "p99_us", "mean_us", "min_us", "gbs_p50", "pct_of_copy_bw",
+             "n_buffer_sets", "calls_per_sample", "max_abs_diff")
+
+
 def _row(op, backend, shape, dtype, status="ok", reason=""):
+    """A result row; the measured fields stay None unless the case runs."""
     return {"op": op, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
             "shape": dict(shape), "bytes": bytes_moved(op, shape, dtype), "status": status,
-            "reason": reason}
+            "reason": reason, **dict.fromkeys(_MEASURED)}
 
 
 def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, check=None):

@@ -178,6 +178,7 @@ def test_sweep_json_schema_and_arithmetic(quick_results):
     assert c["device"] == "cpu" and c["dtype"] == "float32"
     assert data["copy_bandwidth_gbs"] > 0
     rows = data["results"]
+    assert len({tuple(r) for r in rows}) == 1   # every row has the same keys
     assert {(r["op"], r["backend"]) for r in rows} == {
         (op, b) for op in bench.OPS for b in ("normtools-torch", "torch-F", "liger")}
     for r in rows:
