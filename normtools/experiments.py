@@ -31,14 +31,17 @@ from normtools.probes import causal_mask, decoder_layers, recording, split_batch
 from normtools.train import lr_sensitivity, spike_score, train
 
 #: Settings of the stability chapter per ``size``: the model (TinyLMConfig fields), the run
-#: length and batch, and the two learning rates of the placement grid and the LR sweep.
+#: length and batch, the two learning rates of the placement grid, the LR sweep, and the batch
+#: whose attention logits are kept before and after training (one sequence on "gpu": 2M logits).
 STABILITY_SIZES = {
     "test": dict(model=dict(width=32, depth=2, heads=2, max_seq_len=16), steps=24, batch_size=2,
-                 normal_lr=3e-3, high_lr=3e-2, sweep_lrs=(3e-3, 3e-2)),
+                 normal_lr=3e-3, high_lr=3e-2, sweep_lrs=(3e-3, 3e-2), probe_batch_size=2),
     "cpu": dict(model=dict(width=64, depth=4, heads=4, max_seq_len=32), steps=100, batch_size=8,
-                normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1)),
+                normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(1e-3, 3e-3, 1e-2, 3e-2, 1e-1),
+                probe_batch_size=4),
     "gpu": dict(model=dict(width=512, depth=8, heads=8, max_seq_len=256), steps=1000, batch_size=32,
-                normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1)),
+                normal_lr=3e-3, high_lr=1e-1, sweep_lrs=(3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1),
+                probe_batch_size=1),
 }
 
 _CONFIG_FIELDS = {f.name for f in fields(TinyLMConfig)}
