@@ -54,7 +54,7 @@ __all__ = ["OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP
            "Unavailable", "default_shapes", "shape_label", "make_inputs", "bytes_moved",
            "backend_fn", "default_backends", "n_buffer_sets", "input_sets", "rotating_calls",
            "time_calls",
-           "summarize", "copy_bandwidth", "bench_case", "run_sweep", "load_results",
+           "summarize", "TIMERS", "copy_bandwidth", "bench_case", "run_sweep", "load_results",
            "targets_report", "markdown_summary", "add_cli", "main"]
 
 ROW_OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm")
@@ -388,17 +388,45 @@ def _time_cpu(calls, warmup, reps):
     return times, 1
 
 
-def time_calls(calls, device, warmup, reps):
+def _time_do_bench(calls):
+    import itertools
+
+    from triton.testing import do_bench
+
+    rotation = itertools.cycle(calls)
+    times_ms = do_bench(lambda: next(rotation)(), warmup=25, rep=100, return_mode="all")
+    return [t * 1e3 for t in times_ms], 1
+
+
+TIMERS = {
+    "events": "cuda events, stream held busy by torch.cuda._sleep so launches queue; a sample "
+              "is a group of calls lasting ≥ 20 us (calls_per_sample)",
+    "do_bench": "triton.testing.do_bench(warmup=25 ms, rep=100 ms, return_mode='all'): events "
+                "around each call, L2 cleared before it; launch overhead included",
+    "wall": "time.perf_counter_ns per call",
+}
+
+
+def time_calls(calls, device, warmup, reps, timer=None):
     """Per-sample times in µs of calling ``calls[0], calls[1], ...`` in rotation.
 
-    Returns (times, calls_per_sample). CUDA: event timing of queued launches (see the module
-    docstring), a sample being the mean of a group of calls lasting ≥ 20 µs. CPU: wall clock
-    per call. ``warmup`` samples run first and are discarded.
+    Returns (times, calls_per_sample). ``timer`` (``TIMERS``; default "events" on CUDA, "wall"
+    on CPU): "events", event timing of queued launches (see the module docstring), a sample
+    being the mean of a group of calls lasting ≥ 20 µs; "do_bench", Triton's own timer (its
+    warm-up and repetitions are times, so ``warmup`` and ``reps`` do not apply); "wall", wall
+    clock per call. ``warmup`` samples run first and are discarded.
     """
     if reps < 1:
         raise ValueError(f"reps must be ≥ 1, got {reps}")
-    if torch.device(device).type == "cuda":
+    is_cuda = torch.device(device).type == "cuda"
+    timer = timer or ("events" if is_cuda else "wall")
+    if timer not in TIMERS or (timer != "wall") != is_cuda:
+        raise ValueError(f"timer {timer!r} does not apply to {device}; use "
+                         f"{'events or do_bench' if is_cuda else 'wall'}")
+    if timer == "events":
         return _time_cuda(calls, warmup, reps)
+    if timer == "do_bench":
+        return _time_do_bench(calls)
     return _time_cpu(calls, warmup, reps)
 
 
@@ -410,7 +438,7 @@ def summarize(times_us):
             "mean_us": float(t.mean()), "min_us": float(t.min())}
 
 
-def copy_bandwidth(device, nbytes=None, warmup=None, reps=None):
+def copy_bandwidth(device, nbytes=None, warmup=None, reps=None, timer=None):
     """Device-to-device copy bandwidth in GB/s (10⁹ B/s), counting bytes read plus written.
 
     ``dst.copy_(src)`` of an ``nbytes`` buffer (default 1 GiB on CUDA, 128 MiB on CPU), timed
@@ -424,7 +452,7 @@ def copy_bandwidth(device, nbytes=None, warmup=None, reps=None):
     dst = torch.empty_like(src)
     times, _ = time_calls([lambda: dst.copy_(src)], device,
                           default_warmup if warmup is None else warmup,
-                          default_reps if reps is None else reps)
+                          default_reps if reps is None else reps, timer)
     stats = summarize(times)
     return 2 * nbytes / (stats["p50_us"] * 1e3), {"bytes": 2 * nbytes, **stats}
 
@@ -471,7 +499,8 @@ def _row(op, backend, shape, dtype, status="ok", reason=""):
             "reason": reason, **dict.fromkeys(_MEASURED)}
 
 
-def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, check=None):
+def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, check=None,
+               timer=None):
     """Time one (op, backend, shape) over the rotated input ``sets``.
 
     Returns (row, output on ``sets[0]`` or None). ``check``: another backend's output on
@@ -488,7 +517,7 @@ def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, chec
         out = fn(sets[0])
         if check is not None:
             row["max_abs_diff"] = _max_abs_diff(out, check)
-        times, group = time_calls(rotating_calls(fn, sets), device, warmup, reps)
+        times, group = time_calls(rotating_calls(fn, sets), device, warmup, reps, timer)
     except Exception as exc:  # recorded in the results; the sweep goes on
         status, reason = _skip_or_error(backend, exc)
         return {**row, "status": status, "reason": reason}, None
@@ -502,11 +531,13 @@ def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, chec
 # ------------------------------------------------------------------------------------- sweep
 
 def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shapes=None,
-              warmup=None, reps=None, quick=False, budget_s=None, out_path=None, log=None):
+              warmup=None, reps=None, timer=None, quick=False, budget_s=None, out_path=None,
+              log=None):
     """Run the benchmark sweep; returns the results dict (also written to ``out_path``).
 
     ``backends``: names to run; default ``default_backends(device)`` (on CPU without
-    normtools-triton). ``shapes``: {op: [shape, ...]}, default ``default_shapes``. ``budget_s``:
+    normtools-triton). ``shapes``: {op: [shape, ...]}, default ``default_shapes``. ``timer``:
+    see ``time_calls``. ``budget_s``:
     stop starting new cases after this many seconds (the rest are recorded as skipped).
     ``out_path``: the JSON is rewritten after every case, so an interrupted run keeps its rows.
 
@@ -535,7 +566,7 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     copy_gbs, copy_stats = copy_bandwidth(device, nbytes=64 * 2**20 if quick else None,
-                                          warmup=warmup, reps=reps)
+                                          warmup=warmup, reps=reps, timer=timer)
     log(f"copy bandwidth: {copy_gbs:.1f} GB/s")
     data = {
         "conditions": {
@@ -543,9 +574,7 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
             "warmup": warmup, "reps": reps, "quick": quick, "cache_bytes": cache_bytes,
             "rotate_buffers": "input sets rotated until they total ≥ 2× cache_bytes (≥ 4 sets, "
                               "capped by memory); per-row count in n_buffer_sets",
-            "timer": ("cuda events, stream held busy by torch.cuda._sleep so launches queue; "
-                      "a sample is a group of calls lasting ≥ 20 us (calls_per_sample)"
-                      if kind == "cuda" else "time.perf_counter_ns per call"),
+            "timer": TIMERS[timer or ("events" if kind == "cuda" else "wall")],
             "bytes_model": "minimum bytes: inputs read once, outputs written once "
                            "(normtools.bench.bytes_moved)",
         },
@@ -564,7 +593,7 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
                 else:
                     sets = sets or input_sets(op, shape, dtype, device, cache_bytes)
                     row, out = bench_case(op, backend, shape, sets, device, warmup=warmup,
-                                          reps=reps, copy_gbs=copy_gbs, check=check)
+                                          reps=reps, copy_gbs=copy_gbs, check=check, timer=timer)
                     check = out if check is None else check
                 data["results"].append(row)
                 log(_row_line(row))
@@ -756,6 +785,9 @@ def _add_arguments(parser):
     parser.add_argument("--quick", action="store_true", help="one tiny shape per op, 3 samples")
     parser.add_argument("--warmup", type=int, help="warm-up samples")
     parser.add_argument("--reps", type=int, help="timed samples")
+    parser.add_argument("--timer", choices=sorted(TIMERS),
+                        help="events (CUDA default), do_bench (CUDA, Triton's timer, for a "
+                             "cross-check) or wall (CPU)")
     parser.add_argument("--threads", type=int,
                         help="torch intra-op threads for the run (recorded in the conditions)")
     parser.add_argument("--budget-s", type=float,
@@ -782,9 +814,13 @@ def run_cli(args):
         dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
         if args.threads:
             torch.set_num_threads(args.threads)
-        data = run_sweep(device, dtype, ops=args.ops, backends=args.backends,
-                         warmup=args.warmup, reps=args.reps, quick=args.quick,
-                         budget_s=args.budget_s, out_path=args.out)
+        try:
+            data = run_sweep(device, dtype, ops=args.ops, backends=args.backends,
+                             warmup=args.warmup, reps=args.reps, quick=args.quick,
+                             timer=args.timer, budget_s=args.budget_s, out_path=args.out)
+        except ValueError as exc:  # options that do not fit together
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         text = markdown_summary(data)
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)

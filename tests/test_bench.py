@@ -3,6 +3,7 @@ the loader and the targets report, the CLI and bench/gpu_check.sh (CPU smoke run
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -92,6 +93,9 @@ def test_time_calls_rotates_and_measures_wall_clock():
     assert order == [0, 1, 2, 0, 1, 2, 0, 1, 2]
     assert min(times) >= 2000.0            # µs: at least the sleep
     assert sorted(times)[3] < 2000.0 + 100_000
+    for timer in ("events", "do_bench", "sundial"):
+        with pytest.raises(ValueError, match="does not apply"):
+            bench.time_calls([make(0)], "cpu", warmup=0, reps=1, timer=timer)
 
 
 def test_rotating_calls_keep_outputs_in_distinct_buffers():
@@ -284,6 +288,7 @@ def test_cli_and_module_entry_points(quick_results, tmp_path):
     assert [r["op"] for r in data["results"]] == ["layer_norm"]
     assert data["conditions"]["torch_threads"] == 1
     assert "| layer_norm | M=64 N=256 |" in summary.read_text()
+    assert cli_main(["bench", "--device", "cpu", "--quick", "--timer", "do_bench"]) == 2
     report = subprocess.run([sys.executable, "-m", "normtools.bench", "--report",
                              str(quick_results[1])], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
@@ -310,8 +315,9 @@ def test_gpu_check_script_quick_on_cpu_with_symlink_tree(tmp_path):
     assert "normtools from /" in run.stdout and str(REPO) + "/normtools" not in run.stdout
     for name in ("pytest-gpu.xml", "bench-quick.json", "summary.md", "bench.log"):
         assert (tmp_path / name).is_file(), name
-    # pytest collected this file's GPU test and skipped it (no CUDA here)
-    assert 'skipped="1"' in (tmp_path / "pytest-gpu.xml").read_text()
+    # pytest collected this file's GPU tests and skipped them (no CUDA here)
+    junit = (tmp_path / "pytest-gpu.xml").read_text()
+    assert re.search(r'errors="0" failures="0" skipped="[1-9]', junit), junit
     data = json.loads((tmp_path / "bench-quick.json").read_text())
     assert any(r["status"] == "ok" for r in data["results"])
 
@@ -328,3 +334,11 @@ def test_quick_sweep_on_cuda_every_backend():
             assert r["calls_per_sample"] >= 1
         assert r["status"] != "error", r
     assert bench.targets_report(data)
+
+
+@pytest.mark.gpu
+def test_events_timer_agrees_with_do_bench_on_a_large_copy():
+    """Where launch overhead does not matter (a 512 MiB copy), both timers see the same time."""
+    events, _ = bench.copy_bandwidth("cuda", nbytes=2**29, timer="events")
+    triton_timer, _ = bench.copy_bandwidth("cuda", nbytes=2**29, timer="do_bench")
+    assert events == pytest.approx(triton_timer, rel=0.25)
