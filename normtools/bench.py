@@ -537,15 +537,16 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
 
     ``backends``: names to run; default ``default_backends(device)`` (on CPU without
     normtools-triton). ``shapes``: {op: [shape, ...]}, default ``default_shapes``. ``timer``:
-    see ``time_calls``. ``budget_s``:
-    stop starting new cases after this many seconds (the rest are recorded as skipped).
-    ``out_path``: the JSON is rewritten after every case, so an interrupted run keeps its rows.
+    see ``time_calls``. ``budget_s``: stop starting new cases after this many seconds (the rest
+    are recorded as skipped). ``out_path``: the JSON is rewritten after every case, so an
+    interrupted run keeps its rows.
 
     The dict: {"conditions": {run conditions, dtype, warmup, reps, rotation, timer},
     "copy_bandwidth_gbs": float, "copy": {...}, "results": [row, ...]}; a row has op, backend,
-    dtype, shape, bytes, status ("ok", "skipped", "error"), reason, and for "ok" rows p50_us,
-    p95_us, p99_us, mean_us, min_us, gbs_p50, pct_of_copy_bw, n_buffer_sets, calls_per_sample
-    and max_abs_diff (against the first backend that ran, normtools-torch when it runs).
+    dtype, shape, bytes, status ("ok", "skipped", "error"), reason, and the measured fields
+    p50_us, p95_us, p99_us, mean_us, min_us, gbs_p50, pct_of_copy_bw, n_buffer_sets,
+    calls_per_sample and max_abs_diff (against the first backend that ran, normtools-torch when
+    it runs), None where the case did not run.
     """
     device = str(device)
     kind = torch.device(device).type
@@ -560,6 +561,8 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
     unknown = set(selected) - set(BACKENDS)
     if unknown:
         raise ValueError(f"unknown backends {sorted(unknown)}; expected some of {list(BACKENDS)}")
+    if set(ops) - set(OPS):
+        raise ValueError(f"unknown ops {sorted(set(ops) - set(OPS))}; expected some of {list(OPS)}")
     # The reference backend first, so that the others are checked against its output.
     order = sorted(selected, key=lambda b: b != "normtools-torch")
     cache_bytes = _cache_bytes(device)

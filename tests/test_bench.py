@@ -212,6 +212,8 @@ def test_sweep_defaults_skip_triton_on_cpu_and_honour_the_budget():
     assert "budget" in first["reason"]
     with pytest.raises(ValueError, match="unknown backends"):
         bench.run_sweep("cpu", ops=["rms_norm"], quick=True, backends=["cudnn"])
+    with pytest.raises(ValueError, match="unknown ops"):
+        bench.run_sweep("cpu", ops=["softmax"], quick=True, backends=["torch-F"])
 
 
 def test_torch_compile_backend_is_timed_or_skipped_with_reason():
