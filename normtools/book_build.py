@@ -18,8 +18,27 @@ VOLATILE_NOTEBOOK_KEYS = ("papermill",)
 VOLATILE_CELL_KEYS = ("papermill", "execution", "ExecuteTime")
 
 
+def _merge_streams(outputs: list) -> list:
+    """Join consecutive stream outputs of the same name (stdout, stderr) into one output.
+
+    Kernels split one print into several stream messages at arbitrary points, which makes
+    needless diffs; nbval coalesces streams the same way before comparing.
+    """
+    merged = []
+    for output in outputs:
+        previous = merged[-1] if merged else None
+        if (output.get("output_type") == "stream" and previous is not None
+                and previous.get("output_type") == "stream" and previous.get("name") == output.get("name")):
+            text = "".join(previous["text"]) + "".join(output["text"])
+            previous["text"] = text.splitlines(keepends=True)
+        else:
+            merged.append(output)
+    return merged
+
+
 def strip_volatile_metadata(notebook: dict) -> dict:
-    """Return ``notebook`` without execution timestamps, durations or papermill status.
+    """Return ``notebook`` without execution timestamps, durations or papermill status, with
+    consecutive stream outputs merged.
 
     Cell outputs are kept: they are what nbval checks and what the book shows.
     """
@@ -29,7 +48,8 @@ def strip_volatile_metadata(notebook: dict) -> dict:
         for key in VOLATILE_CELL_KEYS:
             cell.get("metadata", {}).pop(key, None)
         if cell.get("cell_type") == "code":
-            for output in cell.get("outputs", []):
+            cell["outputs"] = _merge_streams(cell.get("outputs", []))
+            for output in cell["outputs"]:
                 output.get("metadata", {}).pop("execution", None)
     return notebook
 

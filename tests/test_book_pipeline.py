@@ -95,6 +95,14 @@ def test_strip_removes_timestamps_and_keeps_outputs():
     assert "".join(stripped["cells"][0]["outputs"][0]["text"]) == "1\n"
 
 
+def test_strip_merges_split_stream_outputs():
+    nb = _notebook(["print('a'); print('b')"], outputs=["a\n"])
+    nb.cells[0].outputs.append(nbformat.v4.new_output("stream", name="stdout", text="b\n"))
+    nb.cells[0].outputs.append(nbformat.v4.new_output("stream", name="stderr", text="w\n"))
+    outputs = strip_volatile_metadata(json.loads(nbformat.writes(nb)))["cells"][0]["outputs"]
+    assert [(o["name"], "".join(o["text"])) for o in outputs] == [("stdout", "a\nb\n"), ("stderr", "w\n")]
+
+
 def test_stored_notebooks_have_no_volatile_metadata():
     for path in CHAPTERS:
         text = path.read_text()
