@@ -15,7 +15,6 @@ export PYTHONHASHSEED := 0
 # OpenMP threads sleep instead of spinning while idle: on a shared 2-core machine spinning
 # threads made small CPU models up to 20x slower, with identical results.
 export OMP_WAIT_POLICY := PASSIVE
-export MPLBACKEND := Agg
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false

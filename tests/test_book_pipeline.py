@@ -112,7 +112,8 @@ def test_stored_notebooks_have_no_volatile_metadata():
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
 def test_chapter_structure(path):
-    """Outputs stored, a papermill parameters cell, the Colab setup cell first, no placeholders."""
+    """Outputs stored, a papermill parameters cell, the Colab setup cell first (kept out of the
+    HTML: it does nothing there), no placeholders."""
     nb = nbformat.read(path, as_version=4)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert any(c.outputs for c in code), "stored without outputs"
@@ -121,6 +122,7 @@ def test_chapter_structure(path):
     setup_cell = code[0].source
     assert "google.colab" in setup_cell
     assert f'REPOSITORY_URL = "{config["repository"]["url"]}"' in setup_cell
+    assert "remove-cell" in code[0].metadata.get("tags", [])
     text = "\n".join(c.source for c in nb.cells).lower()
     for placeholder in ("todo", "coming soon", "tbd"):
         assert placeholder not in text, f"placeholder '{placeholder}' in {path.name}"

@@ -99,9 +99,28 @@ def test_every_citation_resolves_and_every_source_is_cited(site):
     assert not unknown, f"cited but not in references.bib: {unknown[0]}"
     uncited = sorted(known - cited)
     assert not uncited, f"in references.bib but cited from no chapter: {uncited[0]}"
-    sources = (site / "book" / "07_sources.html").read_text(encoding="utf-8")
-    for key in sorted(cited):
-        assert f'id="id-{key}"' in sources or key in sources, f"{key} missing from the Sources page"
+    from bs4 import BeautifulSoup
+
+    sources = BeautifulSoup((site / "book" / "07_sources.html").read_text(encoding="utf-8"), "html.parser")
+    entries = {div["id"] for div in sources.find_all("div", attrs={"role": "doc-biblioentry"})}
+    assert len(entries) == len(known), f"{len(entries)} entries on the Sources page for {len(known)} keys"
+    for page in _pages(site):
+        soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+        for link in soup.find_all("a", href=re.compile(r"07_sources\.html#")):
+            anchor = link["href"].split("#", 1)[1]
+            if link.find_parent(attrs={"role": "doc-biblioentry"}) is None and anchor.startswith("id"):
+                assert anchor in entries, f"{page.name}: citation link {link['href']} is not a bibliography entry"
+
+
+def test_every_stored_figure_is_on_its_page(site):
+    """Each chapter's PNG outputs reach its page as images (a headless backend would drop them)."""
+    for notebook in CHAPTER_NOTEBOOKS:
+        cells = json.loads(notebook.read_text())["cells"]
+        figures = sum("image/png" in output.get("data", {})
+                      for cell in cells if cell["cell_type"] == "code" for output in cell.get("outputs", []))
+        page = (site / "book" / notebook.name).with_suffix(".html").read_text(encoding="utf-8")
+        shown = len(re.findall(r'<img[^>]+src="(?!\.\./_static/)[^"]+\.png"', page))
+        assert shown >= figures, f"{notebook.name}: {figures} figures stored, {shown} on the page"
 
 
 def test_colab_buttons_point_at_the_notebooks_in_the_repository(site):
