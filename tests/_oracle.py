@@ -13,12 +13,17 @@ normtools. Tolerances (one place, per input dtype):
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 FP32_MAX_REL_ERR = 1e-5
 LOW_PRECISION_FACTOR = 2.0
 LOW_PRECISION_ATOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
 # Tests parametrized over these run under the interpreter on CPU and compiled on CUDA.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+# Hypothesis: deterministic examples (CI reruns see the same ones), no deadline (interpreter).
+HYPOTHESIS_SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                               suppress_health_check=[HealthCheck.too_slow])
 
 
 def rms_norm_f64(x, weight=None, eps=1e-6, offset=0.0):

@@ -15,13 +15,7 @@ import normtools
 from normtools.models import PLACEMENT_NAMES, TinyLM, TinyLMConfig, block_equation, set_backend
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread is much faster than two (no spin-waiting on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # What the book prints for each placement (the issue's forms, with the norms named).

@@ -15,13 +15,7 @@ from normtools.probes import PROFILE_COLUMNS, depth_profile, plot_depth_profile,
 matplotlib.use("Agg")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """These models are tiny: one thread is much faster than two (no spin-waiting on a busy machine)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def batch_of(vocab, B=3, T=17, seed=0):

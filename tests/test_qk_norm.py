@@ -14,8 +14,15 @@ import sys
 import pytest
 import torch
 import triton
-from _oracle import DEVICES, assert_close_to_oracle, rms_norm_f64, run_with_grads
-from hypothesis import HealthCheck, given, settings
+from _oracle import (
+    DEVICES,
+    DTYPES,
+    HYPOTHESIS_SETTINGS,
+    assert_close_to_oracle,
+    rms_norm_f64,
+    run_with_grads,
+)
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import normtools
@@ -24,9 +31,7 @@ from normtools._kernels import qk_norm as _k
 from normtools import qk as qk_module
 from normtools.reference import rms_norm_reference
 
-SETTINGS = settings(max_examples=15, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+SETTINGS = settings(HYPOTHESIS_SETTINGS, max_examples=15)
 EPS = 1e-6
 
 

@@ -13,22 +13,22 @@ import pytest
 import torch
 from _oracle import (
     DEVICES,
+    DTYPES,
+    HYPOTHESIS_SETTINGS,
     LAYOUTS,
     assert_close_to_oracle,
     make_input,
     rms_norm_f64,
     run_with_grads,
 )
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import normtools
 from normtools.reference import rms_norm_reference
 
-SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = HYPOTHESIS_SETTINGS
 SETTINGS_CUDA = settings(SETTINGS, max_examples=10)
-DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 def check_rms_norm(device, backend, shape, dtype, weight_dtype, casting, offset, layout,
