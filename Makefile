@@ -68,7 +68,7 @@ notebooks: $(STAMP)
 test: $(STAMP)
 	$(VPY) -m pytest tests $(CHAPTERS) --nbval --nbval-current-env \
 	  --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) \
-	  -p no:cacheprovider $(PYTEST_ARGS)
+	  -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 unit: $(STAMP)
 	$(VPY) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)

@@ -11,6 +11,7 @@ Used by the Makefile (``python -m normtools.book_build execute|strip ...``):
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 # Keys whose values change at every execution (timestamps, durations, papermill's status).
@@ -70,11 +71,13 @@ def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_ti
     import papermill
 
     destination.parent.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
     papermill.execute_notebook(
         str(source), str(destination), kernel_name=kernel, execution_timeout=cell_timeout,
         cwd=str(cwd or source.parent), progress_bar=False, log_output=False,
     )
     strip_file(destination)
+    print(f"{source}: executed in {time.perf_counter() - start:.0f} s")
 
 
 def main(argv=None) -> int:
