@@ -147,3 +147,14 @@ def test_wheel_ships_kernels_inside_normtools(tmp_path):
     assert not any(n.startswith("kernels/") for n in names), "a generic top-level 'kernels' package"
     kernel_files = {p.name for p in (ROOT / "kernels").glob("*.py")}
     assert {n.split("/")[-1] for n in names if n.startswith("normtools/_kernels/")} >= kernel_files
+
+
+def test_book_includes_every_kernel_file_and_pastes_none():
+    """Kernel source reaches the book by inclusion from kernels/, never as a pasted copy."""
+    sources = {p.name: p.read_text() for p in CHAPTERS + sorted((ROOT / "book").glob("*.md"))}
+    text = "\n".join(sources.values())
+    for kernel in sorted((ROOT / "kernels").glob("*.py")):
+        if kernel.name != "__init__.py":
+            assert f"literalinclude}} ../kernels/{kernel.name}" in text, f"{kernel.name} is not included"
+    for name, source in sources.items():
+        assert "@triton.jit" not in source, f"{name} pastes kernel code"
