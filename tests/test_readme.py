@@ -1,0 +1,24 @@
+"""The README's code runs as printed, and its Gemma claim holds against transformers' module."""
+
+import re
+from pathlib import Path
+
+import torch
+
+README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+
+
+def test_readme_python_example_runs_and_matches_gemma3():
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
+
+    (code,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    namespace = {}
+    exec(code, namespace)
+    x = namespace["x"]
+    assert torch.equal(namespace["y"], Gemma3RMSNorm(x.shape[-1], eps=1e-6)(x))
+    assert namespace["qn"].shape == namespace["q"].shape and namespace["kn"].shape == namespace["k"].shape
+
+
+def test_readme_gives_the_two_commands_first():
+    first_block = re.search(r"```bash\n(.*?)```", README, flags=re.S).group(1)
+    assert [line.split()[:2] for line in first_block.strip().splitlines()] == [["make", "book"], ["make", "test"]]
