@@ -96,6 +96,20 @@ def layer_norm_fwd(
 
 
 @triton.jit
+def _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x, stride_dy, N, mean, r,
+                     HAS_WEIGHT: tl.constexpr):
+    """x̂ and dy (float32) of a (BLOCK_M, BLOCK_N) chunk of a long row, the weight w of its
+    columns, and the chunk's mask: what both passes of the chunked backward read."""
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
+    x_hat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
+    return x_hat, dy, w, mask
+
+
+@triton.jit
 def layer_norm_bwd(
     DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,   # partials: (programs, N) float32
     stride_dy, stride_x, stride_dx,
@@ -159,12 +173,8 @@ def layer_norm_bwd(
             sum_xg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
-                x_hat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
+                x_hat, dy, w, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
+                                                      stride_dy, N, mean, r, HAS_WEIGHT)
                 g = dy * w[None, :]
                 sum_g += g
                 sum_xg += x_hat * g
@@ -173,11 +183,8 @@ def layer_norm_bwd(
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
                 col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
-                x_hat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
+                x_hat, dy, w, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
+                                                      stride_dy, N, mean, r, HAS_WEIGHT)
                 dx = r[:, None] * (dy * w[None, :] - c1[:, None] - x_hat * c2[:, None])
                 tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
                 if HAS_WEIGHT:

@@ -123,6 +123,17 @@ def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
 
 
 @triton.jit
+def _load_grad_chunk(x_rows, dy_rows, w_row, c, token_mask, N: tl.constexpr):
+    """x, dy (float32, (ROWS, BLOCK_N)) and w (float32) of the columns ``c`` of a long row, and
+    the chunk's mask: what both passes of the chunked backward read."""
+    mask = token_mask[:, None] & (c < N)[None, :]
+    x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(w_row + c, mask=c < N, other=0.0).to(tl.float32)
+    return x, dy, w, mask
+
+
+@triton.jit
 def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_heads,
                      stride_x, stride_dy, stride_dx, w_head_stride, offset,
                      N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -151,18 +162,12 @@ def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_heads,
         sum_g_xhat = tl.zeros([ROWS], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             c = start + cols
-            mask = token_mask[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_row + c, mask=c < N, other=0.0).to(tl.float32)
+            x, dy, w, mask = _load_grad_chunk(x_rows, dy_rows, w_row, c, token_mask, N)
             sum_g_xhat += tl.sum(dy * (offset + w)[None, :] * x, axis=1) * rstd
         mean_g_xhat = sum_g_xhat / N
         for start in range(0, N, BLOCK_N):
             c = start + cols
-            mask = token_mask[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_row + c, mask=c < N, other=0.0).to(tl.float32)
+            x, dy, w, mask = _load_grad_chunk(x_rows, dy_rows, w_row, c, token_mask, N)
             xhat = x * rstd[:, None]
             g = dy * (offset + w)[None, :]
             dx = rstd[:, None] * (g - xhat * mean_g_xhat[:, None])

@@ -132,6 +132,19 @@ def _dx_store(DX, DSUM, dx_offsets, dsum_offsets, mask, dx, HAS_DSUM: tl.constex
 
 
 @triton.jit
+def _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x, stride_dy, N, offset,
+                     HAS_WEIGHT: tl.constexpr):
+    """x and dy (float32) of a (BLOCK_M, BLOCK_N) chunk of a long row, the scale s of its
+    columns, and the chunk's mask: what both passes of the chunked backward read."""
+    col_mask = cols < N
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+    return x, dy, s, mask
+
+
+@triton.jit
 def rms_norm_bwd(
     DY, X, W, RSTD, DSUM, DX, DW_PARTIAL,   # DW_PARTIAL: (programs, N) float32
     stride_dy, stride_x, stride_dsum, stride_dx,
@@ -184,24 +197,18 @@ def rms_norm_bwd(
             dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+                x, dy, s, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
+                                                  stride_dy, N, offset, HAS_WEIGHT)
                 dot += x * r[:, None] * dy * s[None, :]
             c = tl.sum(dot, axis=1) / N                            # mean(x̂ ⊙ g)
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                mask = row_mask[:, None] & col_mask[None, :]
-                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-                s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+                x, dy, s, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
+                                                  stride_dy, N, offset, HAS_WEIGHT)
                 x_hat = x * r[:, None]
                 dx = r[:, None] * (dy * s[None, :] - x_hat * c[:, None])
                 _dx_store(DX, DSUM, rows[:, None] * stride_dx + cols[None, :],
                           rows[:, None] * stride_dsum + cols[None, :], mask, dx, HAS_DSUM)
                 if HAS_WEIGHT:
-                    dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row + cols, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
+                    dw = tl.load(dw_row + cols, mask=cols < N, other=0.0)
+                    tl.store(dw_row + cols, dw + tl.sum(dy * x_hat, axis=0), mask=cols < N)
