@@ -263,10 +263,6 @@ def norm_legend(spec) -> list[tuple[str, str]]:
 def tiny_hf_model(model_type: str, **overrides) -> nn.Module:
     """A randomly initialized ``AutoModelForCausalLM`` of ``model_type`` with the tiny shapes of
     ``normtools.spec.tiny_config`` (hidden 32, 2 layers unless overridden), in eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from normtools.spec import build_model, tiny_config
 
-    from normtools.spec import tiny_config
-
-    values = tiny_config(model_type, **overrides)
-    config = AutoConfig.for_model(values.pop("model_type"), **values)
-    return AutoModelForCausalLM.from_config(config).eval()
+    return build_model(tiny_config(model_type, **overrides)).eval()

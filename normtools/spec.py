@@ -28,6 +28,7 @@ QK-Norm scope: ``"per_head"`` one weight of size head_dim shared by all heads; `
 one weight per head, shape (H, head_dim); ``"per_layer"`` one norm over all H*head_dim features.
 """
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -188,6 +189,20 @@ def _transformers_config(config):
     if config.model_type == "gemma3":  # multimodal wrapper: the norms live in the text model
         config = config.text_config
     return config, unconfirmed
+
+
+def build_model(config, *, device=None):
+    """The transformers model of ``config`` (a config object or a config.json dict), with random
+    weights: ``AutoModel`` for BERT (an encoder), ``AutoModelForCausalLM`` otherwise (the text
+    model of a multimodal Gemma 3). ``device="meta"`` builds the full-size shapes without memory.
+    This is the model whose ``numel`` :func:`count_parameters` must equal."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    config, _ = _transformers_config(config)
+    auto = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return auto.from_config(config)
 
 
 def _check_supported(model_type):

@@ -43,10 +43,8 @@ def test_card_json_is_the_spec_and_the_counts(capsys):
 
 
 def test_card_of_a_checkpoint_directory_and_of_a_config_file(capsys, tmp_path):
-    transformers = pytest.importorskip("transformers")
-    config = spec.tiny_config("olmo2")
-    hf_config = transformers.AutoConfig.for_model("olmo2", **{k: v for k, v in config.items() if k != "model_type"})
-    transformers.AutoModelForCausalLM.from_config(hf_config).save_pretrained(tmp_path / "ckpt")
+    pytest.importorskip("transformers")
+    spec.build_model(spec.tiny_config("olmo2")).save_pretrained(tmp_path / "ckpt")
     code, from_dir, _ = run_cli(capsys, "card", str(tmp_path / "ckpt"))
     assert code == 0 and "| Placement | post_sublayer |" in from_dir
     code, from_file, _ = run_cli(capsys, "card", str(tmp_path / "ckpt" / "config.json"))

@@ -7,11 +7,10 @@ only), sorted into the same categories by the parameter names alone, independent
 import re
 
 import pytest
-import torch
 
 from normtools import count_parameters, spec
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 FAMILIES = ("llama", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3_text", "gpt_oss", "minimax_m2",
             "cohere", "phi", "deepseek_v3", "bert")
@@ -46,14 +45,7 @@ _CATEGORIES = [
 
 def meta_model(config):
     """The transformers model of ``config`` (dict or object) on the meta device."""
-    if isinstance(config, dict):
-        values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
-        config = transformers.AutoConfig.for_model(config["model_type"], **values)
-    if config.model_type == "gemma3":
-        config = config.text_config
-    auto = transformers.AutoModel if config.model_type == "bert" else transformers.AutoModelForCausalLM
-    with torch.device("meta"):
-        return auto.from_config(config)
+    return spec.build_model(config, device="meta")
 
 
 def categorised_numel(model) -> dict:

@@ -9,7 +9,7 @@ from normtools import spec
 from normtools.modules import LayerNorm, RMSNorm
 from normtools.patching import PatchError
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 
 PATCHABLE = [
     ("llama", {}), ("qwen3", {}), ("olmo2", {}), ("olmo3", {}), ("gemma2", {}), ("gemma3_text", {}),
@@ -20,12 +20,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 def tiny_model(family, dtype=torch.float32, **changes):
     """A tiny random model whose norm weights are random too (so that offset and casting matter)."""
-    config = spec.tiny_config(family, **changes)
-    hf_config = transformers.AutoConfig.for_model(
-        config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     torch.manual_seed(0)
-    auto = transformers.AutoModel if family == "bert" else transformers.AutoModelForCausalLM
-    model = auto.from_config(hf_config).to(dtype).eval()
+    model = spec.build_model(spec.tiny_config(family, **changes)).to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name.lower():

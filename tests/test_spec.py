@@ -29,11 +29,8 @@ FAMILIES = ("llama", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3_text", "gpt_os
 
 def build(config: dict):
     """The transformers model of a config dict, random weights (BertModel for BERT)."""
-    values = {k: v for k, v in config.items() if k != "model_type"}
-    hf_config = transformers.AutoConfig.for_model(config["model_type"], **values)
-    auto = transformers.AutoModel if config["model_type"] == "bert" else transformers.AutoModelForCausalLM
     torch.manual_seed(0)
-    return auto.from_config(hf_config)
+    return spec.build_model(config)
 
 
 @pytest.fixture(scope="module")
