@@ -46,7 +46,7 @@ execute: $(STAMP)
 	cp -r _config.yml _toc.yml book kernels bench $(BUILD_SRC)/
 	set -e; for nb in $(CHAPTERS); do \
 	  echo "executing $$nb"; \
-	  $(VPY) -m normtools.book_build execute $$nb $(BUILD_SRC)/$$nb --cell-timeout $(CELL_TIMEOUT); \
+	  $(VPY) -m normtools.book.build execute $$nb $(BUILD_SRC)/$$nb --cell-timeout $(CELL_TIMEOUT); \
 	done
 
 html: $(STAMP)
@@ -61,7 +61,7 @@ html: $(STAMP)
 notebooks: $(STAMP)
 	set -e; for nb in $(CHAPTERS); do \
 	  echo "executing $$nb in place"; \
-	  $(VPY) -m normtools.book_build execute $$nb $$nb --cell-timeout $(CELL_TIMEOUT); \
+	  $(VPY) -m normtools.book.build execute $$nb $$nb --cell-timeout $(CELL_TIMEOUT); \
 	done
 
 # --- tests ------------------------------------------------------------------------------

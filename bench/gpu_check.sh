@@ -41,7 +41,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 
 left() { echo $((TOTAL_S - (SECONDS - START))); }
 py() { (cd "$RUN_DIR" && "$PY" "$@"); }
-importable() { py -c 'import normtools._kernels, normtools.bench' >/dev/null 2>&1; }
+importable() { py -c 'import normtools._kernels, normtools.measure.bench' >/dev/null 2>&1; }
 
 # A tree $SHIM/normtools whose entries link to the repository's normtools/, plus _kernels
 # linking to kernels/: the layout that pyproject's package-dir mapping installs. Python runs
@@ -114,14 +114,14 @@ budget=$(( $(left) - 60 ))
 if [ "$budget" -lt 30 ]; then budget=30; fi
 echo "== bench (budget ${budget} s)"
 bench_rc=0
-(cd "$RUN_DIR" && timeout $((budget + 45)) "$PY" -m normtools.bench "${BENCH_ARGS[@]}" \
+(cd "$RUN_DIR" && timeout $((budget + 45)) "$PY" -m normtools.measure.bench "${BENCH_ARGS[@]}" \
   --budget-s "$budget" --out "$RESULTS" --summary "$OUT/summary.md") 2>&1 \
   | tee "$OUT/bench.log" || bench_rc=$?
 if [ "$bench_rc" != 0 ]; then
   echo "gpu_check: bench exit code $bench_rc (124: timed out); summarizing what ran" >&2
   status=1
   if [ -f "$RESULTS" ]; then
-    py -m normtools.bench --report "$RESULTS" --summary "$OUT/summary.md" > /dev/null || true
+    py -m normtools.measure.bench --report "$RESULTS" --summary "$OUT/summary.md" > /dev/null || true
   fi
 fi
 

@@ -6,7 +6,7 @@ Each row x ∈ R^N of the (M, N) input is normalized by its root mean square:
     x̂  = x · r
     y  = s ⊙ x̂,   s = offset + w            (s = 1 without a weight)
 
-Two casting conventions (see normtools.reference):
+Two casting conventions (see normtools.core.reference):
 
     "llama":  y = s ⊙ x̂.to(x.dtype)    x̂ is rounded to the input dtype before the multiply
     "gemma":  y = s ⊙ x̂                multiply in float32; y is rounded once when stored

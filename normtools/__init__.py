@@ -10,26 +10,30 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     # RMSNorm / LayerNorm ops and modules
-    "rms_norm": "normtools.ops",
-    "add_rms_norm": "normtools.ops",
-    "layer_norm": "normtools.ops",
-    "RMSNorm": "normtools.modules",
-    "LayerNorm": "normtools.modules",
+    "rms_norm": "normtools.core.ops",
+    "add_rms_norm": "normtools.core.ops",
+    "layer_norm": "normtools.core.ops",
+    "RMSNorm": "normtools.core.modules",
+    "LayerNorm": "normtools.core.modules",
     # QK-Norm
-    "qk_norm": "normtools.qk",
-    "QKNorm": "normtools.qk",
+    "qk_norm": "normtools.core.qk",
+    "QKNorm": "normtools.core.qk",
     # model norm specs
-    "count_parameters": "normtools.spec",
-    "patch": "normtools.patching",
-    "PatchError": "normtools.patching",
+    "count_parameters": "normtools.cards.spec",
+    "patch": "normtools.cards.patching",
+    "PatchError": "normtools.cards.patching",
 }
-_SUBMODULES = {
-    "ops", "modules", "reference", "qk", "tp", "spec", "patching",
-    "models", "probes", "train", "data", "parity", "bench", "sysinfo", "cli",
-    "analysis", "solution", "experiments", "glossary", "notebook", "book_build",
-}
+# The layers, bottom up (imports point down only; tests/test_layers.py keeps it so):
+#   core     the library: ops, modules, QK-Norm, tensor parallelism, reference math, kernel launch
+#   cards    model norm cards, parameter counts, patching transformers models
+#   lab      toy Transformer, depth probes, training, experiment grids
+#   measure  parity and benchmarks
+#   book     the book's own helpers
+_SUBMODULES = {"core", "cards", "lab", "measure", "book", "cli"}
+# normtools.tp is public (per-layer QK-Norm under tensor parallelism); it lives in the library.
+_ALIASES = {"tp": "normtools.core.tp"}
 
-__all__ = sorted(_PUBLIC) + sorted(_SUBMODULES)
+__all__ = sorted(_PUBLIC) + sorted(_SUBMODULES) + sorted(_ALIASES)
 
 
 def __getattr__(name):
@@ -37,6 +41,8 @@ def __getattr__(name):
         value = getattr(import_module(_PUBLIC[name]), name)
     elif name in _SUBMODULES:
         value = import_module(f"normtools.{name}")
+    elif name in _ALIASES:
+        value = import_module(_ALIASES[name])
     else:
         raise AttributeError(f"module 'normtools' has no attribute {name!r}")
     globals()[name] = value

@@ -1,4 +1,4 @@
-"""normtools.analysis: RMSNorm vs LayerNorm gaps, cost counts, the amplifier chain, equations from specs."""
+"""normtools.book.analysis: RMSNorm vs LayerNorm gaps, cost counts, the amplifier chain, equations from specs."""
 
 import math
 
@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 
 import normtools
-from normtools import analysis, bench, spec
-from normtools.models import TinyLM, block_equation
+from normtools.book import analysis
+from normtools.measure import bench
+from normtools.cards import spec
+from normtools.lab.tinylm import TinyLM, block_equation
 
 
 # ------------------------------------------------------------------ RMSNorm against LayerNorm

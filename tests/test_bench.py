@@ -1,4 +1,4 @@
-"""normtools.bench: the bytes model against the tensors themselves, the timer, the sweep's JSON,
+"""normtools.measure.bench: the bytes model against the tensors themselves, the timer, the sweep's JSON,
 the loader and the targets report, the CLI and bench/gpu_check.sh (CPU smoke run)."""
 
 import json
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 import normtools
-from normtools import bench
+from normtools.measure import bench
+from normtools.measure.bench import timing
 from normtools.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ def test_cuda_timer_logic_with_a_wall_clock_stand_in(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _WallClockEvent)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: time.sleep(cycles / 1e9), raising=False)
-    monkeypatch.setattr(bench, "_SLEEP_CYCLES_PER_US", None)
+    monkeypatch.setattr(timing, "_SLEEP_CYCLES_PER_US", None)
     order = []
 
     def make(i, seconds):
@@ -291,7 +292,7 @@ def test_cli_and_module_entry_points(quick_results, tmp_path):
     assert data["conditions"]["torch_threads"] == 1
     assert "| layer_norm | M=64 N=256 |" in summary.read_text()
     assert cli_main(["bench", "--device", "cpu", "--quick", "--timer", "do_bench"]) == 2
-    report = subprocess.run([sys.executable, "-m", "normtools.bench", "--report",
+    report = subprocess.run([sys.executable, "-m", "normtools.measure.bench", "--report",
                              str(quick_results[1])], capture_output=True, text=True, timeout=120)
     assert report.returncode == 0, report.stderr
     assert "| qk_norm_per_head | T=16 Hq=4 Hk=2 D=64 |" in report.stdout

@@ -11,7 +11,7 @@ import nbformat
 import pytest
 import yaml
 
-from normtools.book_build import strip_volatile_metadata
+from normtools.book.build import strip_volatile_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted((ROOT / "book").glob("*.ipynb"))
@@ -55,7 +55,7 @@ def test_nbval_accepts_matching_and_rejects_stale_outputs(tmp_path):
 def test_raising_notebook_fails_execution_and_nbval(tmp_path):
     raising = tmp_path / "raising.ipynb"
     nbformat.write(_notebook(["raise RuntimeError('boom')"], outputs=[""]), raising)
-    executed = _run(["-m", "normtools.book_build", "execute", str(raising), str(tmp_path / "out.ipynb")],
+    executed = _run(["-m", "normtools.book.build", "execute", str(raising), str(tmp_path / "out.ipynb")],
                     cwd=tmp_path)
     assert executed.returncode != 0
     assert "boom" in executed.stderr + executed.stdout
@@ -107,7 +107,7 @@ def test_stored_notebooks_have_no_volatile_metadata():
     for path in CHAPTERS:
         text = path.read_text()
         assert json.dumps(strip_volatile_metadata(json.loads(text)), indent=1, ensure_ascii=False) + "\n" == text, (
-            f"{path.name}: run `python -m normtools.book_build strip {path}`")
+            f"{path.name}: run `python -m normtools.book.build strip {path}`")
 
 
 @pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)

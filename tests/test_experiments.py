@@ -1,4 +1,4 @@
-"""Experiment drivers (normtools.experiments), on a tiny grid; checked against independent
+"""Experiment drivers (normtools.lab.experiments), on a tiny grid; checked against independent
 computations (autograd gradients, the model's own logits recomputed from its weights)."""
 
 import math
@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from normtools import experiments as ex
-from normtools.data import TextData, encode
-from normtools.models import TinyLM, TinyLMConfig
-from normtools.train import lr_sensitivity
+from normtools.lab import experiments as ex
+from normtools.lab.data import TextData, encode
+from normtools.lab.tinylm import TinyLM, TinyLMConfig
+from normtools.lab.train import lr_sensitivity
 
 # backend="torch": the tests run with TRITON_INTERPRET=1, where "auto" would pick the interpreter
 TINY = TinyLMConfig(width=16, depth=2, heads=2, max_seq_len=8, backend="torch")

@@ -8,8 +8,8 @@ import nbformat
 import pytest
 import yaml
 
-from normtools import glossary
-from normtools.glossary import TERMS, Term
+from normtools.book import glossary
+from normtools.book.glossary import TERMS, Term
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOK = ROOT / "book"
@@ -98,7 +98,7 @@ def test_chapter_cell_is_the_rendering_of_the_table():
     cells = [c.source for c in nb.cells if c.cell_type == "markdown" and "{glossary}" in c.source]
     assert cells == [glossary.to_myst()], (
         "book/06_glossary.ipynb is out of date with normtools/glossary.py: regenerate its glossary "
-        "cell from normtools.glossary.to_myst()")
+        "cell from normtools.book.glossary.to_myst()")
 
 
 def test_every_term_link_in_the_book_resolves():

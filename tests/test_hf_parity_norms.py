@@ -16,7 +16,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 import normtools
 
-# (HF module, offset, casting) as the issue and normtools.reference document them
+# (HF module, offset, casting) as the issue and normtools.core.reference document them
 FAMILIES = {
     "llama": (LlamaRMSNorm, 0.0, "llama"),
     "qwen3": (Qwen3RMSNorm, 0.0, "llama"),

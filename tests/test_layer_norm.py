@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import normtools
-from normtools.reference import layer_norm_reference
+from normtools.core.reference import layer_norm_reference
 
 SETTINGS = HYPOTHESIS_SETTINGS
 SETTINGS_CUDA = settings(SETTINGS, max_examples=10)

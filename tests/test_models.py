@@ -1,6 +1,6 @@
 """TinyLM: each placement's forward equals its printed equation, computed by hand in float64.
 
-The hand computation below does not use normtools.models: norms, RoPE (as complex rotation),
+The hand computation below does not use normtools.lab.tinylm: norms, RoPE (as complex rotation),
 attention (explicit loops over heads with the GQA head map), SwiGLU and each placement's
 block are written out from their definitions, reading the model's weights.
 """
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import normtools
-from normtools.models import PLACEMENT_NAMES, TinyLM, TinyLMConfig, block_equation, set_backend
+from normtools.lab.tinylm import PLACEMENT_NAMES, TinyLM, TinyLMConfig, block_equation, set_backend
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""normtools.parity: ulps against torch.nextafter, compare() against PyTorch's own isclose, the
+"""normtools.measure.parity: ulps against torch.nextafter, compare() against PyTorch's own isclose, the
 backend parity table against the Hugging Face norm modules, learned shapes against configs."""
 
 import pytest
@@ -8,7 +8,7 @@ from transformers import GPT2Config, GPT2Model, Qwen2Config, Qwen2Model, Qwen3Co
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from normtools.parity import NAN_ULPS, compare, learned_shapes, norm_parity, ulp_distance
+from normtools.measure.parity import NAN_ULPS, compare, learned_shapes, norm_parity, ulp_distance
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -227,7 +227,7 @@ def test_learned_shapes_gpt2_layer_norm_bias_and_conv1d():
 
 
 def test_learned_shapes_tinylm_qk_norm_weights():
-    from normtools.models import TinyLM, TinyLMConfig
+    from normtools.lab.tinylm import TinyLM, TinyLMConfig
 
     cfg = TinyLMConfig(qk_norm="per_head")
     rows = learned_shapes(TinyLM(cfg))

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import normtools
-from normtools import spec
-from normtools.modules import LayerNorm, RMSNorm
-from normtools.patching import PatchError
+from normtools.cards import spec
+from normtools.core.modules import LayerNorm, RMSNorm
+from normtools.cards.patching import PatchError
 
 pytest.importorskip("transformers")
 

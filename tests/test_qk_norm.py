@@ -26,10 +26,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import normtools
-from normtools import _launch
+from normtools.core import _launch
 from normtools._kernels import qk_norm as _k
-from normtools import qk as qk_module
-from normtools.reference import rms_norm_reference
+from normtools.core import qk as qk_module
+from normtools.core.reference import rms_norm_reference
 
 SETTINGS = settings(HYPOTHESIS_SETTINGS, max_examples=15)
 EPS = 1e-6

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import normtools
-from normtools.reference import rms_norm_reference
+from normtools.core.reference import rms_norm_reference
 
 SETTINGS = HYPOTHESIS_SETTINGS
 SETTINGS_CUDA = settings(SETTINGS, max_examples=10)
@@ -244,7 +244,7 @@ def test_interpreter_works_without_env_var(tmp_path):
     backend="auto" (the torch reference there) traced by torch.compile(fullgraph=True)."""
     script = (
         "import torch, normtools\n"
-        "from normtools.reference import rms_norm_reference\n"
+        "from normtools.core.reference import rms_norm_reference\n"
         "x = torch.randn(5, 33, dtype=torch.bfloat16); w = torch.rand(33) + 0.5\n"
         "y = normtools.rms_norm(x, w, backend='triton')\n"
         "y0 = rms_norm_reference(x, w, 1e-6, 0.0, 'llama')\n"

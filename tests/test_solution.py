@@ -5,7 +5,7 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from normtools.solution import convert_scale, head_rms, naive_tp_qk_norm
+from normtools.book.solution import convert_scale, head_rms, naive_tp_qk_norm
 
 
 def _norms(dim, w_gemma, w_llama, eps=1e-6):

@@ -1,7 +1,7 @@
 """Model norm specs: from configs, from checkpoints (safetensors headers only), diffs, bad input.
 
 The independent references are the transformers modules themselves (their norms run on the
-same input as the spec's formula from ``normtools.reference``) and the tensors that
+same input as the spec's formula from ``normtools.core.reference``) and the tensors that
 ``save_pretrained`` writes; the real all-MiniLM-L6-v2 checkpoint is read from an installed package.
 """
 
@@ -17,9 +17,9 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from normtools import spec
-from normtools.reference import layer_norm_reference, rms_norm_reference
-from normtools.safetensors_header import SafetensorsHeaderError, read_header_from
+from normtools.cards import spec
+from normtools.core.reference import layer_norm_reference, rms_norm_reference
+from normtools.cards.safetensors_header import SafetensorsHeaderError, read_header_from
 
 transformers = pytest.importorskip("transformers")
 
@@ -69,7 +69,7 @@ def test_spec_round_trips_through_json(family):
 # ------------------------------------------------------------------ the spec's norms == HF's norms
 
 def _spec_norm(norm: spec.NormSpec, module, x):
-    """What the spec says ``module`` computes on x (formulas from normtools.reference / torch)."""
+    """What the spec says ``module`` computes on x (formulas from normtools.core.reference / torch)."""
     bias = getattr(module, "bias", None)
     if norm.kind == "rms":
         return rms_norm_reference(x, module.weight, eps=norm.eps, offset=norm.offset, casting=norm.casting)
@@ -294,7 +294,7 @@ def test_bad_safetensors_headers_give_clear_errors(checkpoints, tmp_path, payloa
 def test_header_reader_reads_names_shapes_and_dtypes_only(checkpoints):
     from safetensors import safe_open
 
-    from normtools.safetensors_header import read_header
+    from normtools.cards.safetensors_header import read_header
 
     (file,) = checkpoints["gpt_oss"].glob("*.safetensors")
     header = read_header(file)

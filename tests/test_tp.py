@@ -1,4 +1,4 @@
-"""normtools.tp: QK-Norm of column-parallel q/k shards on 2 and 4 gloo processes.
+"""normtools.core.tp: QK-Norm of column-parallel q/k shards on 2 and 4 gloo processes.
 
 One spawn per world size runs every case (process start-up dominates the cost). Each case is
 checked against single-process ``normtools.qk_norm`` on the whole tensors, float32, max
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import normtools
-from normtools import tp
+from normtools.core import tp
 
 MAX_REL_ERR = 1e-5
 HEAD_DIM = 8

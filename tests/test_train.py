@@ -9,9 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
-from normtools import data
-from normtools.models import TinyLM, TinyLMConfig
-from normtools.train import (lr_at, lr_sensitivity, lr_sweep, per_layer, plot_per_layer, plot_runs,
+from normtools.lab import data
+from normtools.lab.tinylm import TinyLM, TinyLMConfig
+from normtools.lab.train import (lr_at, lr_sensitivity, lr_sweep, per_layer, plot_per_layer, plot_runs,
                              spike_score, train)
 
 

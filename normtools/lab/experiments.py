@@ -1,11 +1,11 @@
 """Experiment drivers for the stability chapter: grids of TinyLM runs, returned as tidy tables.
 
-One *cell* of a grid is a dict of :class:`normtools.models.TinyLMConfig` fields plus the peak
+One *cell* of a grid is a dict of :class:`normtools.lab.tinylm.TinyLMConfig` fields plus the peak
 learning rate ``lr``, e.g. ``{"placement": "pre", "qk_norm": "per_head", "lr": 3e-2}``.
 :func:`run_grid` trains a fresh TinyLM per cell, on the same data, with the same seed (same
 initialization of the weights every cell shares, same batches in the same order), and keeps:
 
-* the per-step records of :func:`normtools.train.train` (loss, global gradient norm, max
+* the per-step records of :func:`normtools.lab.train.train` (loss, global gradient norm, max
   attention logit, and per layer ``logit_max_<i>``, ``act_rms_<i>``), with the gradient norm
   of every layer added as ``grad_norm_<i>`` (:func:`layer_grad_norms`);
 * the attended attention logits of all layers on one fixed batch, before and after training
@@ -26,9 +26,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from normtools.models import TinyLM, TinyLMConfig
-from normtools.probes import causal_mask, decoder_layers, recording, split_batch
-from normtools.train import lr_sensitivity, spike_score, train
+from normtools.lab.tinylm import TinyLM, TinyLMConfig
+from normtools.lab.probes import causal_mask, decoder_layers, recording, split_batch
+from normtools.lab.train import lr_sensitivity, spike_score, train
 
 #: Settings of the stability chapter per ``size``: the model (TinyLMConfig fields), the run
 #: length and batch, the two learning rates of the placement grid, the LR sweep, and the batch
@@ -135,7 +135,7 @@ def run_cell(cell: dict, data, base_config: TinyLMConfig, *, steps: int, batch_s
 
     The weights are initialized after ``torch.manual_seed(seed)`` and the batches follow
     ``seed``, so two cells differ only in what the cell changes. ``train_kwargs`` go to
-    :func:`normtools.train.train`.
+    :func:`normtools.lab.train.train`.
     """
     if "lr" not in cell:
         raise ValueError(f"a cell needs a learning rate 'lr', got {cell}")
@@ -174,7 +174,7 @@ def summarize(runs, spike_window: int = 20, spike_k: float = 3.0) -> "pandas.Dat
     initial_loss, final_loss   validation loss before and after training (``records.attrs``)
     logit_max_peak             max attention logit over all layers and steps
     logit_max_final            max attention logit at the last step
-    grad_norm_spike_score      :func:`normtools.train.spike_score` of the global gradient norm
+    grad_norm_spike_score      :func:`normtools.lab.train.spike_score` of the global gradient norm
     loss_spike_score           the same for the training loss
     diverged                   the loss became non-finite (the run stopped early)
 
@@ -203,7 +203,7 @@ def summarize(runs, spike_window: int = 20, spike_k: float = 3.0) -> "pandas.Dat
 
 
 def lr_sensitivity_table(summary, by=("placement", "qk_norm")) -> "pandas.DataFrame":
-    """Per group of ``by``: :func:`normtools.train.lr_sensitivity` over the group's learning
+    """Per group of ``by``: :func:`normtools.lab.train.lr_sensitivity` over the group's learning
     rates (ℓ₀: the group's initial validation loss), the best lr and its final loss."""
     import pandas as pd
 

@@ -6,8 +6,8 @@ Both have a ``backend`` attribute ("auto", "torch" or "triton"; ``normtools.patc
 import torch
 from torch import nn
 
-from normtools import _validate
-from normtools.ops import layer_norm, rms_norm
+from normtools.core import _validate
+from normtools.core.ops import layer_norm, rms_norm
 
 __all__ = ["RMSNorm", "LayerNorm"]
 

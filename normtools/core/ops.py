@@ -4,12 +4,12 @@ Each op is a ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``
 ``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so
 ``torch.compile(fullgraph=True)`` traces through it. The backend is a plain string argument:
 
-* "torch": the plain-PyTorch reference (normtools.reference): the forward equals the HF modules
+* "torch": the plain-PyTorch reference (normtools.core.reference): the forward equals the HF modules
   bit for bit; the backward is the analytic float32 gradient (``*_backward_reference``);
 * "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors;
 * "auto": "triton" on CUDA, "torch" on CPU unless TRITON_INTERPRET=1.
 
-Inputs are checked (normtools._validate) before anything runs.
+Inputs are checked (normtools.core._validate) before anything runs.
 """
 
 from typing import Optional
@@ -17,11 +17,11 @@ from typing import Optional
 import torch
 import triton
 
-from normtools import _validate
+from normtools.core import _validate
 from normtools._kernels import layer_norm as _ln
 from normtools._kernels import rms_norm as _rms
-from normtools._launch import as_rows, kernel_for, num_programs, resolve_backend, row_blocking
-from normtools.reference import (
+from normtools.core._launch import as_rows, kernel_for, num_programs, resolve_backend, row_blocking
+from normtools.core.reference import (
     inv_rms,
     layer_norm_backward_reference,
     layer_norm_reference,
@@ -170,7 +170,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="
 
     ``casting`` says where the result is rounded ("llama": x̂ is cast to x.dtype before the
     weight multiply, output dtype promote(w, x); "gemma": multiply in float32, cast to x.dtype);
-    see ``normtools.reference.rms_norm_reference`` for the exact definition. ``weight`` is
+    see ``normtools.core.reference.rms_norm_reference`` for the exact definition. ``weight`` is
     (N,) or None (no scale).
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
@@ -282,7 +282,7 @@ _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_nor
 
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend="auto"):
     """LayerNorm over the last dimension: y = (x − mean) · rsqrt(var + eps) ⊙ w + b, with float32
-    statistics and the result cast to x.dtype (see normtools.reference.layer_norm_reference)."""
+    statistics and the result cast to x.dtype (see normtools.core.reference.layer_norm_reference)."""
     _validate.check_input(x)
     _validate.check_param(weight, x, "weight")
     _validate.check_param(bias, x, "bias")

@@ -15,7 +15,7 @@ with the rows chosen by ``scope``:
 
 q is ``(..., Hq · head_dim)`` or ``(..., Hq, head_dim)`` and k likewise with Hk heads (Hk divides
 Hq: grouped-query attention); both outputs keep their input's shape. The math of each row is
-``normtools.reference.rms_norm_reference``, which is exactly what ``backend="torch"`` runs.
+``normtools.core.reference.rms_norm_reference``, which is exactly what ``backend="torch"`` runs.
 
 Internally q and k are (T, H·head_dim) matrices, T tokens, and a row is one ``row_len``-long
 piece of a token: ``row_len = head_dim`` (per_head) or ``H·head_dim`` (per_layer). The op is the
@@ -28,10 +28,10 @@ import torch
 import triton
 from torch import nn
 
-from normtools import _validate
+from normtools.core import _validate
 from normtools._kernels import qk_norm as _k
-from normtools._launch import as_rows, kernel_for, resolve_backend, row_blocking
-from normtools.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
+from normtools.core._launch import as_rows, kernel_for, resolve_backend, row_blocking
+from normtools.core.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
                                  rms_norm_reference)
 
 __all__ = ["qk_norm", "QKNorm", "SCOPES", "check_qk_inputs"]

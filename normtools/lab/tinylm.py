@@ -40,8 +40,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import normtools
-from normtools import _validate
+from normtools.core.modules import LayerNorm, RMSNorm
+from normtools.core.qk import QKNorm
+from normtools.core import _validate
 
 PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
 NORM_NAMES = ("rms", "layer")
@@ -209,9 +210,9 @@ def norm_names(placement: str) -> list[str]:
 def make_norm(config: TinyLMConfig) -> nn.Module:
     """The configured normtools norm (RMSNorm, or LayerNorm with bias) over the model width."""
     if config.norm == "rms":
-        norm = normtools.RMSNorm(config.width, config.eps)
+        norm = RMSNorm(config.width, config.eps)
     else:
-        norm = normtools.LayerNorm(config.width, config.eps)
+        norm = LayerNorm(config.width, config.eps)
     norm.backend = config.backend
     return norm
 
@@ -249,7 +250,7 @@ class CausalSelfAttention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.width, bias=False)
         self.qk_norm = None
         if config.qk_norm != "none":
-            self.qk_norm = normtools.QKNorm(self.head_dim, self.heads, self.kv_heads, scope=config.qk_norm,
+            self.qk_norm = QKNorm(self.head_dim, self.heads, self.kv_heads, scope=config.qk_norm,
                                             eps=config.eps, backend=config.backend)
         cos, sin = rope_tables(config.max_seq_len, self.head_dim, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -366,7 +367,7 @@ class TinyLM(nn.Module):
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
     """Switch every normtools norm of ``model`` (RMSNorm, LayerNorm, QKNorm) to ``backend``."""
     _validate.check_backend(backend)
-    norm_types = (normtools.RMSNorm, normtools.LayerNorm, normtools.QKNorm)
+    norm_types = (RMSNorm, LayerNorm, QKNorm)
     for module in model.modules():
         if isinstance(module, norm_types):
             module.backend = backend

@@ -165,16 +165,16 @@ def _norm_eps(module):
 
 def _backend_fns(kind, weight, bias, eps, offset, casting):
     """{label: callable(x) -> y} for the normtools backends of one norm."""
-    import normtools
-    from normtools import reference
+    from normtools.core import ops
+    from normtools.core import reference
 
     if kind == "layer":
         def run(x, backend):
-            return normtools.layer_norm(x, weight, bias, eps, backend=backend)
+            return ops.layer_norm(x, weight, bias, eps, backend=backend)
         reference_fn = partial(reference.layer_norm_reference, weight=weight, bias=bias, eps=eps)
     else:
         def run(x, backend):
-            return normtools.rms_norm(x, weight, eps, offset=offset, casting=casting,
+            return ops.rms_norm(x, weight, eps, offset=offset, casting=casting,
                                       backend=backend)
         reference_fn = partial(reference.rms_norm_reference, weight=weight, eps=eps,
                                offset=offset, casting=casting)
@@ -197,7 +197,7 @@ def norm_parity(module, x, *, casting="llama", offset=0.0,
 
     ``module`` is a Hugging Face norm module (``LlamaRMSNorm``, ``Gemma3RMSNorm``, ...) or an
     ``nn.LayerNorm``; ``casting`` and ``offset`` describe its RMSNorm convention (see
-    ``normtools.reference``). Each of "HF module" and ``backends`` is compared
+    ``normtools.core.reference``). Each of "HF module" and ``backends`` is compared
 
     * against "float32 math": the reference applied to float32 copies of x and the weights
       (errors of each output relative to what a float32 computation gives), and
@@ -206,7 +206,7 @@ def norm_parity(module, x, *, casting="llama", offset=0.0,
     Each row is ``Parity.as_dict()`` plus ``status`` "ok", or ``status`` "skipped" and the
     ``reason`` when a backend raised (e.g. no C++ compiler for torch.compile, no Triton).
     """
-    from normtools import reference
+    from normtools.core import reference
 
     kind = "layer" if isinstance(module, torch.nn.LayerNorm) else "rms"
     weight = getattr(module, "weight", None)

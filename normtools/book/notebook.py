@@ -2,7 +2,7 @@
 
 A chapter calls :func:`setup` once, after its ``parameters`` cell::
 
-    device = normtools.notebook.setup(seed=0, threads=2)
+    device = normtools.book.notebook.setup(seed=0, threads=2)
 
 and publishes numbers for its prose with :func:`glue_number`, so that no figure in the text is
 typed by hand.

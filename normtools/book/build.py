@@ -1,6 +1,6 @@
 """Execute the book's chapters headless and keep stored notebooks free of volatile metadata.
 
-Used by the Makefile (``python -m normtools.book_build execute|strip ...``):
+Used by the Makefile (``python -m normtools.book.build execute|strip ...``):
 
 * ``execute SRC DST``: run one chapter with papermill (its default parameters, one kernel, a
   per-cell timeout) and write the executed copy, stripped, to DST. A cell that raises makes the
@@ -81,7 +81,7 @@ def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_ti
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m normtools.book_build", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m normtools.book.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("execute", help="execute one chapter with papermill")

@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from normtools.models import PLACEMENT_NAMES, TinyLM, causal_mask
+from normtools.lab.tinylm import PLACEMENT_NAMES, TinyLM, causal_mask
 
 PROBE_ATTENTION = "normtools_probe"
 

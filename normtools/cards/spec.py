@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from normtools.safetensors_header import SafetensorsHeaderError, read_header
+from normtools.cards.safetensors_header import SafetensorsHeaderError, read_header
 
 SUPPORTED_MODEL_TYPES = (
     "bert", "cohere", "deepseek_v3", "gemma2", "gemma3", "gemma3_text", "gpt_oss", "llama",
@@ -739,7 +739,7 @@ def tiny_config(model_type: str, **overrides) -> dict:
 # the card (Markdown) and the command line
 # --------------------------------------------------------------------------------------------
 
-_CONFIG_DIR = resources.files("normtools").joinpath("configs")
+_CONFIG_DIR = resources.files("normtools.cards").joinpath("configs")
 # x̂: the normalized row in float32 (x.float() * r for RMSNorm, (x.float() - mean) * rstd for LayerNorm)
 CASTING_FORMULAS = {
     "llama": "(offset + w) * x̂.to(x.dtype)",

@@ -54,9 +54,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from normtools import qk as _qk
-from normtools._launch import as_rows
-from normtools.reference import rms_norm_apply
+from normtools.core import qk as _qk
+from normtools.core._launch import as_rows
+from normtools.core.reference import rms_norm_apply
 
 __all__ = [
     "head_range",

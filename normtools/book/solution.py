@@ -12,13 +12,13 @@ is rounded, and 1 + w loses the low bits of a small w (in bfloat16, 1 + 2⁻⁹ 
 :func:`head_rms` reads each head's RMS of a (..., H·head_dim) projection, the quantity that a
 per-head QK-Norm sets to 1 and a per-layer one leaves free. :func:`naive_tp_qk_norm` is the
 mistake a tensor-parallel port of a per-layer QK-Norm can make: each rank normalizes its own
-column shard with the shard's mean square instead of the token's (``normtools.tp.qk_norm`` is the
+column shard with the shard's mean square instead of the token's (``normtools.core.tp.qk_norm`` is the
 right version, with one all-reduce).
 """
 
 import torch
 
-from normtools import _validate, qk, tp
+from normtools.core import _validate, qk, tp
 
 __all__ = ["convert_scale", "head_rms", "naive_tp_qk_norm"]
 
@@ -59,7 +59,7 @@ def naive_tp_qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, head_dim, world_size
     """Per-layer QK-Norm as P = ``world_size`` ranks would compute it without communication.
 
     q (T, Hq·head_dim), k (T, Hk·head_dim) and the per-layer weights are split by heads as a
-    column-parallel projection splits them (``normtools.tp.shard_columns``/``shard_weight``);
+    column-parallel projection splits them (``normtools.core.tp.shard_columns``/``shard_weight``);
     each rank j normalizes its shard x_j on its own,
 
         y_j = (offset + w_j) · x_j · rsqrt(mean(x_j²) + eps),

@@ -12,14 +12,14 @@
   (zero on zero-mean rows; √2 in the limit of a row that is all mean). :func:`norm_inputs`
   collects the rows that the norms of a model actually receive.
 * Cost per row (:func:`count_flops`, :func:`row_costs`): the arithmetic of the reference code
-  in ``normtools.reference``, counted by running it on meta tensors, and the bytes it must move.
+  in ``normtools.core.reference``, counted by running it on meta tensors, and the bytes it must move.
 * The amplifier analogy (:func:`random_amplifiers`, :func:`signal_through_stages`): a signal
   through a chain of random linear stages, with or without a leveller after each stage.
 * Block equations from norm cards (:func:`tinylm_config_from_spec`,
   :func:`block_equation_from_spec`, :func:`norm_legend`): a ``ModelNormSpec`` is turned into the
   TinyLM configuration with the same placement, and TinyLM's own equation printer renders it.
 * :func:`tiny_hf_model`: a randomly initialized transformers model of a supported family, built
-  from ``normtools.spec.tiny_config`` (nothing is downloaded).
+  from ``normtools.cards.spec.tiny_config`` (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from normtools import reference
+from normtools.core import reference
 
 __all__ = [
     "rms_layer_gap", "rms_layer_gap_theory", "norm_inputs",
@@ -50,11 +50,11 @@ def rms_layer_gap(x: torch.Tensor, eps: float = 1e-6) -> dict[str, torch.Tensor]
     ``rel_gap`` = ‖rms_norm(x) − layer_norm(x)‖ / ‖layer_norm(x)‖ and
     ``mean_to_std`` = |μ| / σ (σ the biased standard deviation, as LayerNorm uses).
     """
-    import normtools
+    from normtools.core import ops
 
     x = x.detach().to(torch.float32)
-    rms_out = normtools.rms_norm(x, None, eps, backend="torch")
-    layer_out = normtools.layer_norm(x, None, None, eps, backend="torch")
+    rms_out = ops.rms_norm(x, None, eps, backend="torch")
+    layer_out = ops.layer_norm(x, None, None, eps, backend="torch")
     mean, rstd = reference.layer_norm_statistics(x, 0.0)
     return {
         "rel_gap": (rms_out - layer_out).norm(dim=-1) / layer_out.norm(dim=-1),
@@ -174,7 +174,7 @@ def _cost_cases(rows, n, dtype):
 def row_costs(n: int, dtype: torch.dtype = torch.bfloat16, rows: int = 4096) -> list[dict]:
     """Operations and bytes per row of RMSNorm and LayerNorm, forward and backward.
 
-    The four functions of ``normtools.reference`` run on ``rows`` × ``n`` meta tensors of
+    The four functions of ``normtools.core.reference`` run on ``rows`` × ``n`` meta tensors of
     ``dtype`` (weights in ``dtype``, saved statistics float32). ``flops`` counts what the
     reference code executes (:func:`count_flops`); ``bytes`` is what a fused kernel must move:
     every input read once and every result written once (forward: x, w[, b] in, y out; the
@@ -231,7 +231,7 @@ def tinylm_config_from_spec(spec, **overrides):
     """The TinyLM configuration with the norm layout of ``spec`` (a ``ModelNormSpec``): the same
     placement, norm kind (RMSNorm or LayerNorm), QK-Norm scope, final norm and eps; the sizes are
     TinyLM's defaults unless overridden. (TinyLM's norms have scale w, no offset.)"""
-    from normtools.models import TinyLMConfig
+    from normtools.lab.tinylm import TinyLMConfig
 
     fields = dict(placement=spec.placement, norm=spec.block_norm.kind, qk_norm=_QK_SCOPE[spec.qk_norm.scope],
                   final_norm=spec.final_norm is not None, eps=spec.block_norm.eps)
@@ -242,7 +242,7 @@ def block_equation_from_spec(spec, fmt: str = "latex") -> str:
     """The block equation of the model that ``spec`` describes, printed by TinyLM's own
     ``block_equation`` for the configuration of :func:`tinylm_config_from_spec` ("text" or
     "latex"). The symbols N_… are named in :func:`norm_legend`."""
-    from normtools.models import block_equation
+    from normtools.lab.tinylm import block_equation
 
     return block_equation(tinylm_config_from_spec(spec), fmt)
 
@@ -251,7 +251,7 @@ def norm_legend(spec) -> list[tuple[str, str]]:
     """(symbol in the block equation, module name in each layer of the model) for each block
     norm of ``spec``, in the order the block applies them. (QK-Norm and the final norm are
     described by the spec's card rows.)"""
-    from normtools.models import norm_names
+    from normtools.lab.tinylm import norm_names
 
     symbols = norm_names(spec.placement)
     if len(symbols) != len(spec.layer_norms):
@@ -262,7 +262,7 @@ def norm_legend(spec) -> list[tuple[str, str]]:
 
 def tiny_hf_model(model_type: str, **overrides) -> nn.Module:
     """A randomly initialized ``AutoModelForCausalLM`` of ``model_type`` with the tiny shapes of
-    ``normtools.spec.tiny_config`` (hidden 32, 2 layers unless overridden), in eval mode."""
-    from normtools.spec import build_model, tiny_config
+    ``normtools.cards.spec.tiny_config`` (hidden 32, 2 layers unless overridden), in eval mode."""
+    from normtools.cards.spec import build_model, tiny_config
 
     return build_model(tiny_config(model_type, **overrides)).eval()

@@ -6,7 +6,7 @@ uses bf16 (or fp16 with loss scaling) autocast on a GPU, and records at every st
     step, lr, loss, grad_norm          grad_norm: global L2 norm before clipping
     logit_max                          max attention logit over all layers
     logit_max_<i>, act_rms_<i>         per layer i: max attention logit, RMS of the residual
-                                       stream after block i (see normtools.probes)
+                                       stream after block i (see normtools.lab.probes)
 
 The data order is fixed by ``seed`` (a seeded ``torch.Generator``), so on CPU a run is
 deterministic for a given model initialization. Two stability measures:
@@ -29,7 +29,7 @@ import torch
 import torch.nn as nn
 from tqdm import tqdm  # the text bar: tqdm.auto warns at import in kernels without ipywidgets
 
-from normtools.probes import decoder_layers, next_token_loss, panels, recording
+from normtools.lab.probes import decoder_layers, next_token_loss, panels, recording
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -87,7 +87,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
           weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
           grad_clip: float | None = 1.0, precision: str = "auto", seed: int = 0,
           eval_batches: int = 4, quiet: bool = False) -> "pandas.DataFrame":
-    """Train ``model`` in place for ``steps`` steps on ``data`` (a :class:`normtools.data.TextData`)
+    """Train ``model`` in place for ``steps`` steps on ``data`` (a :class:`normtools.lab.data.TextData`)
     and return one record per step (see module docs).
 
     ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping; ``quiet``

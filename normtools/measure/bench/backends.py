@@ -1,0 +1,133 @@
+"""One callable per (op, backend): normtools, torch.nn.functional, torch.compile, Liger-Kernel."""
+
+from functools import partial
+from importlib import import_module, util
+
+import torch
+
+from normtools.measure.bench.plan import BACKENDS, LAYER_EPS, RMS_EPS
+
+# ---------------------------------------------------------------------------------- backends
+
+class Unavailable(Exception):
+    """A backend that cannot run here; the message is the reason recorded in the results."""
+
+
+def _composed_ops(rms, layer, head_dim):
+    """The ops composed from ``rms(x, w, eps)`` and ``layer(x, w, b, eps)`` over the last dim.
+
+    add_rms_norm is ``summed = x + residual`` then ``rms(summed)``; QK-Norm is one ``rms`` call on
+    q and one on k, viewed as (T, H, D) per head. Returns {op: fn(inputs) -> output(s)}.
+    """
+    def per_head(x, w):
+        return rms(x.view(x.shape[0], -1, head_dim), w, RMS_EPS).view(x.shape)
+
+    def add_rms_norm(t):
+        summed = t["x"] + t["residual"]
+        return rms(summed, t["w"], RMS_EPS), summed
+
+    return {
+        "rms_norm": lambda t: rms(t["x"], t["w"], RMS_EPS),
+        "add_rms_norm": add_rms_norm,
+        "layer_norm": lambda t: layer(t["x"], t["w"], t["b"], LAYER_EPS),
+        "qk_norm_per_head": lambda t: (per_head(t["q"], t["q_w"]), per_head(t["k"], t["k_w"])),
+        "qk_norm_per_layer": lambda t: (rms(t["q"], t["q_w"], RMS_EPS),
+                                        rms(t["k"], t["k_w"], RMS_EPS)),
+    }
+
+
+def _normtools_ops(backend, head_dim):
+    from normtools.core import ops
+    from normtools.core.qk import qk_norm
+
+    def qk(t, scope):
+        return qk_norm(t["q"], t["k"], t["q_w"], t["k_w"], RMS_EPS, head_dim=head_dim,
+                       scope=scope, backend=backend)
+
+    return {
+        "rms_norm": lambda t: ops.rms_norm(t["x"], t["w"], RMS_EPS, backend=backend),
+        "add_rms_norm": lambda t: ops.add_rms_norm(t["x"], t["residual"], t["w"], RMS_EPS,
+                                                   backend=backend),
+        "layer_norm": lambda t: ops.layer_norm(t["x"], t["w"], t["b"], LAYER_EPS, backend=backend),
+        "qk_norm_per_head": partial(qk, scope="per_head"),
+        "qk_norm_per_layer": partial(qk, scope="per_layer"),
+    }
+
+
+def _torch_f_ops(head_dim):
+    import torch.nn.functional as F
+
+    def rms(x, w, eps):
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+
+    def layer(x, w, b, eps):
+        return F.layer_norm(x, (x.shape[-1],), w, b, eps)
+
+    return _composed_ops(rms, layer, head_dim)
+
+
+def _compiled_reference_ops(head_dim):
+    from normtools.core.reference import layer_norm_reference, rms_norm_reference
+
+    ops = _composed_ops(rms_norm_reference, layer_norm_reference, head_dim)
+    return {op: torch.compile(fn, dynamic=False) for op, fn in ops.items()}
+
+
+def _liger_ops(device, head_dim):
+    if torch.device(device).type != "cuda":
+        raise Unavailable("Liger-Kernel runs on CUDA only")
+    if util.find_spec("liger_kernel") is None:
+        raise Unavailable("liger_kernel is not installed")
+    functional = import_module("liger_kernel.transformers.functional")
+
+    def rms(x, w, eps):
+        return functional.liger_rms_norm(x, w, eps, in_place=False)
+
+    ops = _composed_ops(rms, functional.liger_layer_norm, head_dim)
+    fused_add = getattr(functional, "liger_fused_add_rms_norm", None)
+    if fused_add is not None:
+        ops["add_rms_norm"] = lambda t: fused_add(t["x"], t["residual"], t["w"], RMS_EPS)
+    return ops
+
+
+def _with_backward(forward):
+    """forward + backward: y = forward(t); return (dx, dw) = ∂⟨y, dy⟩/∂(x, w)."""
+    def fwd_bwd(t):
+        return torch.autograd.grad(forward(t), (t["x"], t["w"]), t["dy"])
+    return fwd_bwd
+
+
+def _no_grad(fn):
+    def call(t):
+        with torch.no_grad():
+            return fn(t)
+    return call
+
+
+def backend_fn(op, backend, device, shape):
+    """fn(inputs) -> output(s) running ``op`` on ``backend``; raises ``Unavailable``."""
+    head_dim = shape.get("D")
+    builders = {
+        "normtools-triton": lambda: _normtools_ops("triton", head_dim),
+        "normtools-torch": lambda: _normtools_ops("torch", head_dim),
+        "torch-F": lambda: _torch_f_ops(head_dim),
+        "torch-compile": lambda: _compiled_reference_ops(head_dim),
+        "liger": lambda: _liger_ops(device, head_dim),
+    }
+    if backend not in builders:
+        raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+    if backend == "torch-compile":
+        torch.compiler.reset()  # one fresh compile per shape; no recompile limit is reached
+    ops = builders[backend]()
+    if op == "rms_norm_fwd_bwd":
+        return _with_backward(ops["rms_norm"])
+    return _no_grad(ops[op])
+
+
+def default_backends(device):
+    """{backend: None (run it) or the reason it is skipped by default}."""
+    skips = {b: None for b in BACKENDS}
+    if torch.device(device).type != "cuda":
+        skips["normtools-triton"] = ("skipped on CPU by default: Triton's interpreter runs "
+                                     "kernels in Python, its timing is meaningless")
+    return skips

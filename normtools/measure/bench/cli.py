@@ -1,0 +1,93 @@
+"""``normtools bench`` and ``python -m normtools.measure.bench``."""
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS
+from normtools.measure.bench.report import markdown_summary
+from normtools.measure.bench.results import _read_json
+from normtools.measure.bench.sweep import run_sweep
+from normtools.measure.bench.timing import TIMERS
+
+# --------------------------------------------------------------------------------------- CLI
+
+_DESCRIPTION = ("Time the normalization ops on every backend over a sweep of shapes; write the "
+                "results, the copy bandwidth and the run conditions as JSON.")
+
+
+def _add_arguments(parser):
+    parser.add_argument("--device", default="auto",
+                        help="cpu, cuda, cuda:N or auto (cuda when available)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES),
+                        help="activation and weight dtype (default: bfloat16 on CUDA, float32 "
+                             "on CPU)")
+    parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
+                        help=f"ops to time (default: all): {', '.join(OPS)}")
+    parser.add_argument("--backends", nargs="+", choices=BACKENDS, metavar="BACKEND",
+                        help=f"backends to run (default: all that apply to the device): "
+                             f"{', '.join(BACKENDS)}")
+    parser.add_argument("--quick", action="store_true", help="one tiny shape per op, 3 samples")
+    parser.add_argument("--warmup", type=int, help="warm-up samples")
+    parser.add_argument("--reps", type=int, help="timed samples")
+    parser.add_argument("--timer", choices=sorted(TIMERS),
+                        help="events (CUDA default), do_bench (CUDA, Triton's timer, for a "
+                             "cross-check) or wall (CPU)")
+    parser.add_argument("--threads", type=int,
+                        help="torch intra-op threads for the run (recorded in the conditions)")
+    parser.add_argument("--budget-s", type=float,
+                        help="start no new case after this many seconds")
+    parser.add_argument("--out", help="write the results JSON here")
+    parser.add_argument("--summary", help="write the Markdown summary here")
+    parser.add_argument("--report", metavar="RESULTS_JSON",
+                        help="only print the Markdown summary of an existing results file")
+
+
+def run_cli(args):
+    """Entry point of ``normtools bench``; returns the exit code."""
+    if args.report:
+        text = markdown_summary(_read_json(args.report))
+    else:
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
+            else args.device
+        is_cuda = torch.device(device).type == "cuda"
+        if is_cuda and not torch.cuda.is_available():
+            print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
+            return 2
+        if not is_cuda and args.backends and "normtools-triton" in args.backends:
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+        dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        try:
+            data = run_sweep(device, dtype, ops=args.ops, backends=args.backends,
+                             warmup=args.warmup, reps=args.reps, quick=args.quick,
+                             timer=args.timer, budget_s=args.budget_s, out_path=args.out)
+        except ValueError as exc:  # options that do not fit together
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        text = markdown_summary(data)
+    if args.summary:
+        Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.summary).write_text(text, encoding="utf-8")
+    print(text)
+    return 0
+
+
+def add_cli(subparsers):
+    """Register the ``bench`` subcommand of the ``normtools`` command line."""
+    parser = subparsers.add_parser("bench", help="time the norm ops on every backend (JSON)",
+                                   description=_DESCRIPTION)
+    _add_arguments(parser)
+    parser.set_defaults(func=run_cli)
+    return parser
+
+
+def main(argv=None):
+    """``python -m normtools.measure.bench``: the same options as ``normtools bench``."""
+    parser = argparse.ArgumentParser(prog="python -m normtools.measure.bench", description=_DESCRIPTION)
+    _add_arguments(parser)
+    return run_cli(parser.parse_args(argv))

@@ -1,0 +1,52 @@
+"""Results I/O: writing a sweep's JSON as it runs, reading committed result files back."""
+
+import json
+from pathlib import Path
+
+from normtools.measure.bench.plan import shape_label
+
+
+def _write_json(data, path):
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    tmp.replace(path)
+
+
+# ---------------------------------------------------------------------------- reading results
+
+_SHAPE_KEYS = ("M", "N", "T", "Hq", "Hk", "D")
+
+
+def _read_json(path):
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+def load_results(path):
+    """Load one results JSON file, or every ``*.json`` in a directory, for the book.
+
+    Returns (frame, conditions): a pandas DataFrame with one row per result (columns of the
+    JSON rows, ``shape`` as a label "M=4096 N=2048", the shape's numbers as columns M, N, T, Hq,
+    Hk, D, and ``source``, the file's name) and {source: conditions, with
+    ``copy_bandwidth_gbs`` added}. A missing or empty directory gives an empty frame and {}.
+    """
+    import pandas as pd
+
+    path = Path(path)
+    files = sorted(path.glob("*.json")) if path.is_dir() else ([path] if path.exists() else [])
+    rows, conditions = [], {}
+    for file in files:
+        data = _read_json(file)
+        conditions[file.name] = {**data["conditions"],
+                                 "copy_bandwidth_gbs": data["copy_bandwidth_gbs"]}
+        for row in data["results"]:
+            numbers = {k: row["shape"].get(k) for k in _SHAPE_KEYS}
+            rows.append({**row, **numbers, "shape": shape_label(row["shape"]),
+                         "source": file.name})
+    columns = ["source", "op", "backend", "dtype", "shape", *_SHAPE_KEYS, "status", "reason",
+               "p50_us", "p95_us", "p99_us", "mean_us", "gbs_p50", "pct_of_copy_bw", "bytes"]
+    frame = pd.DataFrame(rows)
+    if frame.empty:
+        frame = pd.DataFrame(columns=columns)
+    return frame, conditions

@@ -1,0 +1,149 @@
+"""The sweep: every (op, backend, shape) case timed, checked against the first backend, written
+as one JSON file with its run conditions."""
+
+import sys
+import time
+
+import torch
+
+from normtools.measure import sysinfo
+from normtools.measure.bench.backends import Unavailable, backend_fn, default_backends
+from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS, default_shapes, shape_label
+from normtools.measure.bench.results import _write_json
+from normtools.measure.bench.timing import (_DEFAULT_REPS, _QUICK_REPS, TIMERS, _cache_bytes, _max_abs_diff,
+                                            copy_bandwidth, input_sets, rotating_calls, summarize, time_calls)
+from normtools.measure.bench.traffic import bytes_moved
+
+
+def _skip_or_error(backend, exc):
+    """Status and reason of a backend that raised: a third-party backend that fails here
+    (torch.compile without a working compiler, Liger) is "skipped"; normtools is an "error"."""
+    reason = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:300]
+    if backend in ("torch-compile", "liger"):
+        return "skipped", f"failed here: {reason}"
+    return "error", reason
+
+
+_MEASURED = ("p50_us", "p95_us", "p99_us", "mean_us", "min_us", "gbs_p50", "pct_of_copy_bw",
+             "n_buffer_sets", "calls_per_sample", "max_abs_diff")
+
+
+def _row(op, backend, shape, dtype, status="ok", reason=""):
+    """A result row; the measured fields stay None unless the case runs."""
+    return {"op": op, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
+            "shape": dict(shape), "bytes": bytes_moved(op, shape, dtype), "status": status,
+            "reason": reason, **dict.fromkeys(_MEASURED)}
+
+
+def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, check=None,
+               timer=None):
+    """Time one (op, backend, shape) over the rotated input ``sets``.
+
+    Returns (row, output on ``sets[0]`` or None). ``check``: another backend's output on
+    ``sets[0]``; the row then records ``max_abs_diff`` of the first output tensor against it
+    (a fast but wrong kernel shows here).
+    """
+    dtype = next(iter(sets[0].values())).dtype
+    row = _row(op, backend, shape, dtype)
+    try:
+        fn = backend_fn(op, backend, device, shape)
+    except Unavailable as exc:
+        return {**row, "status": "skipped", "reason": str(exc)}, None
+    try:
+        out = fn(sets[0])
+        if check is not None:
+            row["max_abs_diff"] = _max_abs_diff(out, check)
+        times, group = time_calls(rotating_calls(fn, sets), device, warmup, reps, timer)
+    except Exception as exc:  # recorded in the results; the sweep goes on
+        status, reason = _skip_or_error(backend, exc)
+        return {**row, "status": status, "reason": reason}, None
+    stats = summarize(times)
+    gbs = row["bytes"] / (stats["p50_us"] * 1e3)
+    row.update(stats, gbs_p50=gbs, pct_of_copy_bw=100 * gbs / copy_gbs,
+               n_buffer_sets=len(sets), calls_per_sample=group)
+    return row, out
+
+
+# ------------------------------------------------------------------------------------- sweep
+
+def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shapes=None,
+              warmup=None, reps=None, timer=None, quick=False, budget_s=None, out_path=None,
+              log=None):
+    """Run the benchmark sweep; returns the results dict (also written to ``out_path``).
+
+    ``backends``: names to run; default ``default_backends(device)`` (on CPU without
+    normtools-triton). ``shapes``: {op: [shape, ...]}, default ``default_shapes``. ``timer``:
+    see ``time_calls``. ``budget_s``: stop starting new cases after this many seconds (the rest
+    are recorded as skipped). ``out_path``: the JSON is rewritten after every case, so an
+    interrupted run keeps its rows.
+
+    The dict: {"conditions": {run conditions, dtype, warmup, reps, rotation, timer},
+    "copy_bandwidth_gbs": float, "copy": {...}, "results": [row, ...]}; a row has op, backend,
+    dtype, shape, bytes, status ("ok", "skipped", "error"), reason, and the measured fields
+    p50_us, p95_us, p99_us, mean_us, min_us, gbs_p50, pct_of_copy_bw, n_buffer_sets,
+    calls_per_sample and max_abs_diff (against the first backend that ran, normtools-torch when
+    it runs), None where the case did not run.
+    """
+    device = str(device)
+    kind = torch.device(device).type
+    dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
+    default_warmup, default_reps = _QUICK_REPS if quick else _DEFAULT_REPS[kind]
+    warmup = default_warmup if warmup is None else warmup
+    reps = default_reps if reps is None else reps
+    shapes = shapes or default_shapes(device, quick)
+    defaults = default_backends(device)
+    selected = {b: (defaults[b] if backends is None else None)
+                for b in (BACKENDS if backends is None else backends)}
+    unknown = set(selected) - set(BACKENDS)
+    if unknown:
+        raise ValueError(f"unknown backends {sorted(unknown)}; expected some of {list(BACKENDS)}")
+    if set(ops) - set(OPS):
+        raise ValueError(f"unknown ops {sorted(set(ops) - set(OPS))}; expected some of {list(OPS)}")
+    # The reference backend first, so that the others are checked against its output.
+    order = sorted(selected, key=lambda b: b != "normtools-torch")
+    cache_bytes = _cache_bytes(device)
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+
+    copy_gbs, copy_stats = copy_bandwidth(device, nbytes=64 * 2**20 if quick else None,
+                                          warmup=warmup, reps=reps, timer=timer)
+    log(f"copy bandwidth: {copy_gbs:.1f} GB/s")
+    data = {
+        "conditions": {
+            **sysinfo.run_conditions(device), "dtype": str(dtype).removeprefix("torch."),
+            "warmup": warmup, "reps": reps, "quick": quick, "cache_bytes": cache_bytes,
+            "rotate_buffers": "input sets rotated until they total ≥ 2× cache_bytes (≥ 4 sets, "
+                              "capped by memory); per-row count in n_buffer_sets",
+            "timer": TIMERS[timer or ("events" if kind == "cuda" else "wall")],
+            "bytes_model": "minimum bytes: inputs read once, outputs written once "
+                           "(normtools.measure.bench.bytes_moved)",
+        },
+        "copy_bandwidth_gbs": copy_gbs, "copy": copy_stats, "results": [],
+    }
+    start = time.monotonic()
+    for op in ops:
+        for shape in shapes[op]:
+            check, sets = None, None
+            for backend in order:
+                reason = selected[backend]
+                if reason is None and budget_s is not None and time.monotonic() - start >= budget_s:
+                    reason = f"time budget of {budget_s:.0f} s exhausted before this case"
+                if reason is not None:
+                    row = _row(op, backend, shape, dtype, "skipped", reason)
+                else:
+                    sets = sets or input_sets(op, shape, dtype, device, cache_bytes)
+                    row, out = bench_case(op, backend, shape, sets, device, warmup=warmup,
+                                          reps=reps, copy_gbs=copy_gbs, check=check, timer=timer)
+                    check = out if check is None else check
+                data["results"].append(row)
+                log(_row_line(row))
+                if out_path is not None:
+                    _write_json(data, out_path)
+    return data
+
+
+def _row_line(row):
+    head = f"{row['op']:<18} {shape_label(row['shape']):<26} {row['backend']:<17}"
+    if row["status"] != "ok":
+        return f"{head} {row['status']}: {row['reason']}"
+    return (f"{head} p50 {row['p50_us']:10.1f} us  {row['gbs_p50']:8.1f} GB/s  "
+            f"{row['pct_of_copy_bw']:5.1f}% of copy")

@@ -1,0 +1,33 @@
+"""Minimum memory traffic of each op: the bytes that every bandwidth figure divides by."""
+
+import torch
+
+from normtools.measure.bench.plan import OPS, QK_OPS
+
+
+def bytes_moved(op, shape, dtype):
+    """Minimum bytes ``op`` must move: each input read once, each output written once.
+
+    With s the element size, A = M·N·s one activation and W = N·s one weight row (weights have
+    the activation dtype here):
+
+    * rms_norm:          read x, w; write y                        = 2A + W
+    * rms_norm_fwd_bwd:  forward 2A + W; backward read x, dy, w,
+                         write dx, dw (the inverse RMS is recomputable, so not counted)
+                                                                   = 5A + 3W
+    * add_rms_norm:      read x, residual, w; write normed, summed = 4A + W
+    * layer_norm:        read x, w, b; write y                     = 2A + 2W
+    * qk_norm_*:         read q, k, q_w, k_w; write q_out, k_out   = 2Q + 2K + Wq + Wk
+      with Q = T·Hq·D·s, K = T·Hk·D·s; Wq = Wk = D·s per head, Wq = Hq·D·s, Wk = Hk·D·s per layer.
+    """
+    s = torch.empty(0, dtype=dtype).element_size()
+    if op in QK_OPS:
+        t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
+        weights = 2 * d * s if op == "qk_norm_per_head" else (hq + hk) * d * s
+        return 2 * t * hq * d * s + 2 * t * hk * d * s + weights
+    act, row = shape["M"] * shape["N"] * s, shape["N"] * s
+    per_op = {"rms_norm": 2 * act + row, "rms_norm_fwd_bwd": 5 * act + 3 * row,
+              "add_rms_norm": 4 * act + row, "layer_norm": 2 * act + 2 * row}
+    if op not in per_op:
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    return per_op[op]
