@@ -19,7 +19,7 @@ _PUBLIC = {
     "qk_norm": "normtools.core.qk",
     "QKNorm": "normtools.core.qk",
     # model norm specs
-    "count_parameters": "normtools.cards.spec",
+    "count_parameters": "normtools.cards.params",
     "patch": "normtools.cards.patching",
     "PatchError": "normtools.cards.patching",
 }

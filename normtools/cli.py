@@ -6,7 +6,7 @@ from importlib import import_module
 
 # Each subcommand lives next to the code it drives; the module exposes
 # ``add_cli(subparsers)``, which registers its parser and sets ``func`` (args -> exit code).
-_COMMAND_MODULES = ("normtools.cards.spec", "normtools.measure.bench")
+_COMMAND_MODULES = ("normtools.cards.cli", "normtools.measure.bench")
 
 
 def build_parser() -> argparse.ArgumentParser:

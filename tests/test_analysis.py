@@ -9,7 +9,7 @@ import torch.nn.functional as F
 import normtools
 from normtools.book import analysis
 from normtools.measure import bench
-from normtools.cards import spec
+from normtools import cards
 from normtools.lab.tinylm import TinyLM, block_equation
 
 
@@ -150,7 +150,7 @@ def _record_layer0(model, ids):
 def test_norm_legend_matches_what_the_hf_modules_compute(model_type):
     """Each symbol of the block equation sits where the equation says, in the real HF module."""
     torch.manual_seed(0)
-    s = spec.from_hf_config(spec.tiny_config(model_type))
+    s = cards.from_hf_config(cards.tiny_config(model_type))
     model = analysis.tiny_hf_model(model_type)
     seen = _record_layer0(model, torch.randint(3, 64, (1, 6)))
     legend = analysis.norm_legend(s)
@@ -170,9 +170,9 @@ def test_norm_legend_matches_what_the_hf_modules_compute(model_type):
     assert {m + ".in" for _, m in legend} == block_norms
 
 
-@pytest.mark.parametrize("name", spec.bundled_configs())
+@pytest.mark.parametrize("name", cards.bundled_configs())
 def test_tinylm_config_from_spec_builds_the_same_layout(name):
-    s, _ = spec.load(name)
+    s, _ = cards.load(name)
     config = analysis.tinylm_config_from_spec(s, width=32, depth=1, heads=2)
     model = TinyLM(config)
     assert len(model.layers[0].norms) == len(s.layer_norms)

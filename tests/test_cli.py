@@ -9,15 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from normtools.cards import spec
+from normtools import cards
+from normtools.cards.cli import add_cli
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of the card/diff commands, through ``spec.add_cli``."""
+    """(exit code, stdout, stderr) of the card/diff commands, through ``add_cli``."""
     parser = argparse.ArgumentParser(prog="normtools")
-    spec.add_cli(parser.add_subparsers(dest="command", required=True))
+    add_cli(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(argv)
     code = args.func(args)
     out, err = capsys.readouterr()
@@ -37,14 +38,14 @@ def test_card_json_is_the_spec_and_the_counts(capsys):
     code, out, _ = run_cli(capsys, "card", "qwen3-8b", "--json")
     assert code == 0
     data = json.loads(out)
-    config = spec.load_bundled_config("qwen3-8b")
-    assert spec.ModelNormSpec.from_dict(data["spec"]) == spec.from_hf_config(config)
-    assert data["parameters"] == spec.count_parameters(config)
+    config = cards.load_bundled_config("qwen3-8b")
+    assert cards.ModelNormSpec.from_dict(data["spec"]) == cards.from_hf_config(config)
+    assert data["parameters"] == cards.count_parameters(config)
 
 
 def test_card_of_a_checkpoint_directory_and_of_a_config_file(capsys, tmp_path):
     pytest.importorskip("transformers")
-    spec.build_model(spec.tiny_config("olmo2")).save_pretrained(tmp_path / "ckpt")
+    cards.build_model(cards.tiny_config("olmo2")).save_pretrained(tmp_path / "ckpt")
     code, from_dir, _ = run_cli(capsys, "card", str(tmp_path / "ckpt"))
     assert code == 0 and "| Placement | post_sublayer |" in from_dir
     code, from_file, _ = run_cli(capsys, "card", str(tmp_path / "ckpt" / "config.json"))
@@ -85,7 +86,7 @@ def test_bad_input_gives_one_line_and_exit_code_2(capsys, tmp_path, make_bad_inp
 
 
 def test_corrupt_safetensors_gives_one_line(capsys, tmp_path):
-    _write(tmp_path / "config.json", json.dumps(spec.tiny_config("llama")))
+    _write(tmp_path / "config.json", json.dumps(cards.tiny_config("llama")))
     (tmp_path / "model.safetensors").write_bytes(b"\x10\x00\x00")
     code, _, err = run_cli(capsys, "card", str(tmp_path))
     assert code == 2 and err.count("\n") == 1 and "truncated" in err

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from normtools import count_parameters
-from normtools.cards import spec
+from normtools import cards
 
 pytest.importorskip("transformers")
 
@@ -46,11 +46,11 @@ _CATEGORIES = [
 
 def meta_model(config):
     """The transformers model of ``config`` (dict or object) on the meta device."""
-    return spec.build_model(config, device="meta")
+    return cards.build_model(config, device="meta")
 
 
 def categorised_numel(model) -> dict:
-    out = dict.fromkeys(spec.COUNT_KEYS, 0)
+    out = dict.fromkeys(cards.COUNT_KEYS, 0)
     for name, p in model.named_parameters():  # tied parameters are listed once
         category = next(c for pattern, c in _CATEGORIES if re.search(pattern, name))
         out[category] += p.numel()
@@ -61,26 +61,26 @@ def _check(config):
     model = meta_model(config)
     counts = count_parameters(config)
     assert counts["total"] == sum(p.numel() for p in model.parameters())
-    assert {k: counts[k] for k in spec.COUNT_KEYS} == categorised_numel(model)
+    assert {k: counts[k] for k in cards.COUNT_KEYS} == categorised_numel(model)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_counts_equal_numel_of_the_transformers_model(family):
-    _check(spec.tiny_config(family))
+    _check(cards.tiny_config(family))
 
 
 @pytest.mark.parametrize("family, changes", VARIANTS)
 def test_counts_follow_bias_tying_and_layout_flags(family, changes):
-    _check(spec.tiny_config(family, **changes))
+    _check(cards.tiny_config(family, **changes))
 
 
-@pytest.mark.parametrize("name", spec.bundled_configs())
+@pytest.mark.parametrize("name", cards.bundled_configs())
 def test_counts_of_the_published_configs_equal_numel_of_the_full_size_model(name):
-    _check(spec.load_bundled_config(name))
+    _check(cards.load_bundled_config(name))
 
 
 def test_the_textbook_formula_misses_gpt_oss_biases_norms_and_sinks():
-    config = spec.load_bundled_config("gpt-oss-20b")
+    config = cards.load_bundled_config("gpt-oss-20b")
     counts = count_parameters(config)
     model = meta_model(config)
     weight_matrices = sum(p.numel() for name, p in model.named_parameters()
@@ -107,5 +107,5 @@ def test_minilm_count_equals_the_tensors_in_its_checkpoint():
 
 
 def test_count_rejects_unknown_model_types():
-    with pytest.raises(spec.SpecError, match="supported"):
+    with pytest.raises(cards.SpecError, match="supported"):
         count_parameters({"model_type": "gpt2"})

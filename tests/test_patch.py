@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import normtools
-from normtools.cards import spec
+from normtools import cards
 from normtools.core.modules import LayerNorm, RMSNorm
 from normtools.cards.patching import PatchError
 
@@ -21,7 +21,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 def tiny_model(family, dtype=torch.float32, **changes):
     """A tiny random model whose norm weights are random too (so that offset and casting matter)."""
     torch.manual_seed(0)
-    model = spec.build_model(spec.tiny_config(family, **changes)).to(dtype).eval()
+    model = cards.build_model(cards.tiny_config(family, **changes)).to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name.lower():

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from normtools.cards import spec
+from normtools import cards
 from normtools.core.reference import layer_norm_reference, rms_norm_reference
 from normtools.cards.safetensors_header import SafetensorsHeaderError, read_header_from
 
@@ -30,7 +30,7 @@ FAMILIES = ("llama", "qwen3", "olmo2", "olmo3", "gemma2", "gemma3_text", "gpt_os
 def build(config: dict):
     """The transformers model of a config dict, random weights (BertModel for BERT)."""
     torch.manual_seed(0)
-    return spec.build_model(config)
+    return cards.build_model(config)
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def checkpoints(tmp_path_factory):
     out = {}
     for family in FAMILIES:
         out[family] = root / family
-        build(spec.tiny_config(family)).save_pretrained(out[family])
+        build(cards.tiny_config(family)).save_pretrained(out[family])
     return out
 
 
@@ -54,21 +54,21 @@ def minilm_dir():
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_spec_from_config_equals_spec_from_its_checkpoint(family, checkpoints):
-    from_config = spec.from_hf_config(spec.tiny_config(family))
-    assert spec.from_checkpoint(checkpoints[family]) == from_config
+    from_config = cards.from_hf_config(cards.tiny_config(family))
+    assert cards.from_checkpoint(checkpoints[family]) == from_config
     # the transformers config object gives the same spec as the dict
-    assert spec.from_hf_config(transformers.AutoConfig.from_pretrained(checkpoints[family])) == from_config
+    assert cards.from_hf_config(transformers.AutoConfig.from_pretrained(checkpoints[family])) == from_config
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_spec_round_trips_through_json(family):
-    s = spec.from_hf_config(spec.tiny_config(family))
-    assert spec.ModelNormSpec.from_dict(json.loads(s.to_json())) == s
+    s = cards.from_hf_config(cards.tiny_config(family))
+    assert cards.ModelNormSpec.from_dict(json.loads(s.to_json())) == s
 
 
 # ------------------------------------------------------------------ the spec's norms == HF's norms
 
-def _spec_norm(norm: spec.NormSpec, module, x):
+def _spec_norm(norm: cards.NormSpec, module, x):
     """What the spec says ``module`` computes on x (formulas from normtools.core.reference / torch)."""
     bias = getattr(module, "bias", None)
     if norm.kind == "rms":
@@ -78,7 +78,7 @@ def _spec_norm(norm: spec.NormSpec, module, x):
     return layer_norm_reference(x, module.weight, bias, eps=norm.eps)
 
 
-def _norms_of(s: spec.ModelNormSpec, model):
+def _norms_of(s: cards.ModelNormSpec, model):
     """(name, NormSpec, module, input feature shape) for every kind of norm the spec lists."""
     layer = next(m for name, m in model.named_modules() if name.endswith("layers.0") or name.endswith("layer.0"))
     H, d = s.hidden_size, s.head_dim
@@ -101,8 +101,8 @@ def _norms_of(s: spec.ModelNormSpec, model):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_spec_norms_reproduce_the_hf_modules_bit_for_bit(family):
     """eps, offset, bias, kind and casting of every norm: HF's module output == the spec's formula."""
-    s = spec.from_hf_config(spec.tiny_config(family))
-    model = build(spec.tiny_config(family)).to(torch.bfloat16)
+    s = cards.from_hf_config(cards.tiny_config(family))
+    model = build(cards.tiny_config(family)).to(torch.bfloat16)
     gen = torch.Generator().manual_seed(1)
     for name, norm, module, shape in _norms_of(s, model):
         with torch.no_grad():
@@ -120,7 +120,7 @@ def test_spec_norms_reproduce_the_hf_modules_bit_for_bit(family):
 
 def test_layouts_of_the_families():
     """The facts the book quotes, each pinned to its family."""
-    get = lambda family, **kw: spec.from_hf_config(spec.tiny_config(family, **kw))  # noqa: E731
+    get = lambda family, **kw: cards.from_hf_config(cards.tiny_config(family, **kw))  # noqa: E731
     assert get("olmo2").placement == "post_sublayer" and get("olmo2").qk_norm.scope == "per_layer"
     assert get("gemma3_text").placement == "sandwich" and get("gemma3_text").block_norm.offset == 1.0
     assert get("qwen3").qk_norm.scope == "per_head" and get("qwen3").qk_norm.before_rope
@@ -139,22 +139,22 @@ def test_layouts_of_the_families():
 def test_multimodal_gemma3_checkpoint_is_read_through_its_text_model(tmp_path):
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   image_size=28, patch_size=14)
-    config = transformers.AutoConfig.for_model("gemma3", text_config=spec.tiny_config("gemma3"),
+    config = transformers.AutoConfig.for_model("gemma3", text_config=cards.tiny_config("gemma3"),
                                                vision_config=vision, mm_tokens_per_image=4)
     transformers.Gemma3ForConditionalGeneration(config).save_pretrained(tmp_path)
     # the SigLIP tower's LayerNorms (with bias) and layers are not mistaken for the text model's
-    assert spec.from_checkpoint(tmp_path) == spec.from_hf_config(spec.tiny_config("gemma3"))
+    assert cards.from_checkpoint(tmp_path) == cards.from_hf_config(cards.tiny_config("gemma3"))
 
 
 def test_published_gemma3_multimodal_config_gives_the_text_norms():
-    s = spec.from_hf_config(spec.load_bundled_config("gemma-3-4b"))
+    s = cards.from_hf_config(cards.load_bundled_config("gemma-3-4b"))
     assert (s.model_type, s.hidden_size, s.num_layers, s.head_dim) == ("gemma3_text", 2560, 34, 256)
 
 
 # ------------------------------------------------------------------ diff
 
 def test_diff_llama_olmo2_names_placement_casting_and_qk_norm():
-    d = spec.diff(spec.from_hf_config(spec.tiny_config("llama")), spec.from_hf_config(spec.tiny_config("olmo2")))
+    d = cards.diff(cards.from_hf_config(cards.tiny_config("llama")), cards.from_hf_config(cards.tiny_config("olmo2")))
     assert d["placement"] == ("pre", "post_sublayer")
     assert d["block_norm.casting"] == ("llama", "gemma")
     assert d["qk_norm.scope"] == ("none", "per_layer")
@@ -162,23 +162,23 @@ def test_diff_llama_olmo2_names_placement_casting_and_qk_norm():
 
 
 def test_diff_of_published_configs_lists_every_field_once():
-    a = spec.from_hf_config(spec.load_bundled_config("llama-3-8b"))
-    b = spec.from_hf_config(spec.load_bundled_config("qwen3-8b"))
-    d = spec.diff(a, b)
+    a = cards.from_hf_config(cards.load_bundled_config("llama-3-8b"))
+    b = cards.from_hf_config(cards.load_bundled_config("qwen3-8b"))
+    d = cards.diff(a, b)
     assert d["block_norm.eps"] == (1e-5, 1e-6) and d["num_layers"] == (32, 36)
-    assert spec.diff(a, a) == {}
+    assert cards.diff(a, a) == {}
 
 
 # ------------------------------------------------------------------ the real MiniLM checkpoint
 
 def test_minilm_checkpoint_is_post_norm_layernorm_with_bias(minilm_dir):
-    s = spec.from_checkpoint(minilm_dir)
+    s = cards.from_checkpoint(minilm_dir)
     assert s.model_type == "bert" and s.placement == "post"
-    assert s.block_norm == spec.NormSpec("layer", 1e-12, True, 0.0, "torch")
+    assert s.block_norm == cards.NormSpec("layer", 1e-12, True, 0.0, "torch")
     assert s.layer_norms == ("attention.output.LayerNorm", "output.LayerNorm")
     assert [o.name for o in s.other_norms] == ["embeddings.LayerNorm"] and s.other_norms[0].norm.bias
     assert (s.num_layers, s.hidden_size, s.num_heads) == (6, 384, 12)
-    assert s.biases == spec.ProjectionBiases(q=True, k=True, v=True, o=True, mlp=True)
+    assert s.biases == cards.ProjectionBiases(q=True, k=True, v=True, o=True, mlp=True)
 
 
 # ------------------------------------------------------------------ disagreements and bad input
@@ -193,8 +193,8 @@ def _copy(src, dst, **config_changes):
 
 def test_checkpoint_that_contradicts_its_config_reports_every_disagreement(checkpoints, tmp_path):
     path = _copy(checkpoints["llama"], tmp_path / "c", attention_bias=True, num_hidden_layers=3)
-    with pytest.raises(spec.CheckpointMismatchError) as err:
-        spec.from_checkpoint(path)
+    with pytest.raises(cards.CheckpointMismatchError) as err:
+        cards.from_checkpoint(path)
     found = " ".join(err.value.disagreements)
     for field in ("biases.q", "biases.k", "biases.v", "biases.o", "num_layers"):
         assert field in found
@@ -202,8 +202,8 @@ def test_checkpoint_that_contradicts_its_config_reports_every_disagreement(check
 
 def test_checkpoint_with_shapes_that_contradict_the_config(checkpoints, tmp_path):
     path = _copy(checkpoints["qwen3"], tmp_path / "c", hidden_size=64, head_dim=4)
-    with pytest.raises(spec.CheckpointMismatchError, match="input_layernorm.weight has shape") as err:
-        spec.from_checkpoint(path)
+    with pytest.raises(cards.CheckpointMismatchError, match="input_layernorm.weight has shape") as err:
+        cards.from_checkpoint(path)
     assert any("q_norm weight shape (8,) fits none" in d for d in err.value.disagreements)
 
 
@@ -215,51 +215,51 @@ def test_checkpoint_with_shapes_that_contradict_the_config(checkpoints, tmp_path
 ])
 def test_layout_disagreements_are_named(family, change, field, checkpoints, tmp_path):
     path = _copy(checkpoints[family], tmp_path / "c", **change)
-    with pytest.raises(spec.CheckpointMismatchError, match=field):
-        spec.from_checkpoint(path)
+    with pytest.raises(cards.CheckpointMismatchError, match=field):
+        cards.from_checkpoint(path)
 
 
 def test_sharded_checkpoint_and_a_missing_shard(tmp_path):
-    model = build(spec.tiny_config("llama"))
+    model = build(cards.tiny_config("llama"))
     model.save_pretrained(tmp_path / "c", max_shard_size="20KB")
     shards = sorted((tmp_path / "c").glob("*.safetensors"))
     assert len(shards) > 1
-    assert spec.from_checkpoint(tmp_path / "c") == spec.from_hf_config(spec.tiny_config("llama"))
+    assert cards.from_checkpoint(tmp_path / "c") == cards.from_hf_config(cards.tiny_config("llama"))
     shards[-1].unlink()
-    with pytest.raises(spec.SpecError, match="in no file"):
-        spec.from_checkpoint(tmp_path / "c")
+    with pytest.raises(cards.SpecError, match="in no file"):
+        cards.from_checkpoint(tmp_path / "c")
 
 
 def test_missing_config_json(tmp_path):
-    with pytest.raises(spec.SpecError, match="no config.json"):
-        spec.from_checkpoint(tmp_path)
+    with pytest.raises(cards.SpecError, match="no config.json"):
+        cards.from_checkpoint(tmp_path)
 
 
 def test_config_json_that_is_not_an_object(checkpoints, tmp_path):
     shutil.copytree(checkpoints["llama"], tmp_path / "c")
     (tmp_path / "c" / "config.json").write_text("[1, 2]")
-    with pytest.raises(spec.SpecError, match="not a JSON object"):
-        spec.from_checkpoint(tmp_path / "c")
+    with pytest.raises(cards.SpecError, match="not a JSON object"):
+        cards.from_checkpoint(tmp_path / "c")
 
 
 def test_unknown_model_type_names_the_supported_ones():
-    with pytest.raises(spec.SpecError, match="unsupported model_type 'mamba'.*llama.*qwen3"):
-        spec.from_hf_config({"model_type": "mamba"})
-    with pytest.raises(spec.SpecError, match="unsupported model_type None"):
-        spec.from_hf_config({})
+    with pytest.raises(cards.SpecError, match="unsupported model_type 'mamba'.*llama.*qwen3"):
+        cards.from_hf_config({"model_type": "mamba"})
+    with pytest.raises(cards.SpecError, match="unsupported model_type None"):
+        cards.from_hf_config({})
     with pytest.raises(TypeError):
-        spec.from_hf_config("llama")
+        cards.from_hf_config("llama")
 
 
 @pytest.mark.parametrize("bad", [dict(hidden_size="x"), dict(num_attention_heads=0), dict(rms_norm_eps="a")])
 def test_config_values_transformers_rejects_give_a_spec_error(bad):
-    with pytest.raises(spec.SpecError, match="llama config rejected by transformers"):
-        spec.from_hf_config({"model_type": "llama", **bad})
+    with pytest.raises(cards.SpecError, match="llama config rejected by transformers"):
+        cards.from_hf_config({"model_type": "llama", **bad})
 
 
 def test_minimax_config_without_per_layer_qk_norm_is_refused():
-    with pytest.raises(spec.SpecError, match="per_layer QK-Norm only"):
-        spec.from_hf_config(spec.tiny_config("minimax_m2", qk_norm_type="per_head"))
+    with pytest.raises(cards.SpecError, match="per_layer QK-Norm only"):
+        cards.from_hf_config(cards.tiny_config("minimax_m2", qk_norm_type="per_head"))
 
 
 def _file_bytes(header_json: bytes, declared_len: int | None, data_len: int) -> bytes:
@@ -288,7 +288,7 @@ def test_bad_safetensors_headers_give_clear_errors(checkpoints, tmp_path, payloa
     shutil.copytree(checkpoints["llama"], tmp_path / "c")
     _rewrite_safetensors(tmp_path / "c", payload)
     with pytest.raises(SafetensorsHeaderError, match=message):
-        spec.from_checkpoint(tmp_path / "c")
+        cards.from_checkpoint(tmp_path / "c")
 
 
 def test_header_reader_reads_names_shapes_and_dtypes_only(checkpoints):

@@ -19,7 +19,7 @@
   :func:`block_equation_from_spec`, :func:`norm_legend`): a ``ModelNormSpec`` is turned into the
   TinyLM configuration with the same placement, and TinyLM's own equation printer renders it.
 * :func:`tiny_hf_model`: a randomly initialized transformers model of a supported family, built
-  from ``normtools.cards.spec.tiny_config`` (nothing is downloaded).
+  from ``normtools.cards.tiny_config`` (nothing is downloaded).
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ def norm_legend(spec) -> list[tuple[str, str]]:
 
 def tiny_hf_model(model_type: str, **overrides) -> nn.Module:
     """A randomly initialized ``AutoModelForCausalLM`` of ``model_type`` with the tiny shapes of
-    ``normtools.cards.spec.tiny_config`` (hidden 32, 2 layers unless overridden), in eval mode."""
-    from normtools.cards.spec import build_model, tiny_config
+    ``normtools.cards.tiny_config`` (hidden 32, 2 layers unless overridden), in eval mode."""
+    from normtools.cards import build_model, tiny_config
 
     return build_model(tiny_config(model_type, **overrides)).eval()

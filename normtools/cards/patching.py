@@ -1,6 +1,6 @@
 """``normtools.patch``: swap a transformers model's norm modules for normtools ones.
 
-The model's norm spec (``normtools.cards.spec.from_hf_config(model.config)``) decides every choice:
+The model's norm spec (``normtools.cards.from_hf_config(model.config)``) decides every choice:
 each block norm, the final norm, the QK-Norm modules and the other norms (DeepSeek-V3's latent
 norms) become a ``normtools.RMSNorm(dim, eps, offset=..., casting=...)`` (or a
 ``normtools.LayerNorm`` for a LayerNorm without bias computed in float32, as Cohere's), with the
@@ -17,7 +17,8 @@ import dataclasses
 
 from normtools.core import _validate
 from normtools.core.modules import LayerNorm, RMSNorm
-from normtools.cards.spec import NormSpec, SpecError, from_hf_config
+from normtools.cards.derive import from_hf_config
+from normtools.cards.types import NormSpec, SpecError
 
 __all__ = ["patch", "PatchError"]
 

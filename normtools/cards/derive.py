@@ -1,0 +1,228 @@
+"""Deriving a card from a transformers config: one rule per supported family, the transformers
+model of a config (:func:`build_model`) and tiny random-weight configs (:func:`tiny_config`)."""
+
+import contextlib
+
+from normtools.cards.types import (SUPPORTED_MODEL_TYPES, ModelNormSpec, NormSpec, OtherNorm,
+                                   ProjectionBiases, QKNormSpec, SpecError)
+
+
+def _transformers_config(config):
+    """(transformers config object of the text model, unconfirmed keys) from a config or dict."""
+    from huggingface_hub.errors import StrictDataclassError
+    from transformers import AutoConfig, PretrainedConfig
+
+    unconfirmed = ()
+    if isinstance(config, dict):
+        model_type = config.get("model_type")
+        _check_supported(model_type)
+        unconfirmed = tuple(config.get("_unconfirmed", ()))
+        values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
+        try:
+            config = AutoConfig.for_model(model_type, **values)
+        except (StrictDataclassError, TypeError, ValueError, ArithmeticError) as e:
+            raise SpecError(f"{model_type} config rejected by transformers: {' '.join(str(e).split())}") from None
+    elif not isinstance(config, PretrainedConfig):
+        raise TypeError(f"expected a transformers config or a config.json dict, got {type(config).__name__}")
+    _check_supported(config.model_type)
+    if config.model_type == "gemma3":  # multimodal wrapper: the norms live in the text model
+        config = config.text_config
+    return config, unconfirmed
+
+
+def build_model(config, *, device=None):
+    """The transformers model of ``config`` (a config object or a config.json dict), with random
+    weights: ``AutoModel`` for BERT (an encoder), ``AutoModelForCausalLM`` otherwise (the text
+    model of a multimodal Gemma 3). ``device="meta"`` builds the full-size shapes without memory.
+    This is the model whose ``numel`` :func:`count_parameters` must equal."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    config, _ = _transformers_config(config)
+    auto = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        return auto.from_config(config)
+
+
+def _check_supported(model_type):
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise SpecError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def _head_dim(c) -> int:
+    return getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def from_hf_config(config) -> ModelNormSpec:
+    """The norm spec of the model that transformers builds from ``config`` (object or dict).
+
+    An unknown ``model_type`` raises :class:`SpecError` naming the supported ones.
+    """
+    c, unconfirmed = _transformers_config(config)
+    family = _FAMILIES[c.model_type]
+    fields = family(c)
+    return ModelNormSpec(
+        model_type=c.model_type,
+        hidden_size=c.hidden_size,
+        num_layers=c.num_hidden_layers,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=getattr(c, "num_key_value_heads", None) or c.num_attention_heads,
+        head_dim=_head_dim(c),
+        unconfirmed=unconfirmed,
+        **fields,
+    )
+
+
+def _rms(eps, casting, offset=0.0) -> NormSpec:
+    return NormSpec("rms", float(eps), False, float(offset), casting)
+
+
+_PRE = ("input_layernorm", "post_attention_layernorm")
+_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_POST_SUBLAYER = ("post_attention_layernorm", "post_feedforward_layernorm")
+
+
+def _attn_biases(c, mlp=False, **extra) -> ProjectionBiases:
+    b = bool(c.attention_bias)
+    return ProjectionBiases(q=b, k=b, v=b, o=b, mlp=mlp, **extra)
+
+
+def _llama(c):
+    norm = _rms(c.rms_norm_eps, "llama")
+    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm,
+                qk_norm=QKNormSpec(), biases=_attn_biases(c, mlp=bool(c.mlp_bias)))
+
+
+def _qwen3(c):
+    norm = _rms(c.rms_norm_eps, "llama")
+    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm,
+                qk_norm=QKNormSpec("per_head", norm, True), biases=_attn_biases(c))
+
+
+def _olmo2(c):
+    norm = _rms(c.rms_norm_eps, "gemma")
+    return dict(block_norm=norm, placement="post_sublayer", layer_norms=_POST_SUBLAYER, final_norm=norm,
+                qk_norm=QKNormSpec("per_layer", norm, True), biases=_attn_biases(c))
+
+
+def _gemma_notes(c):
+    notes = [f"embeddings scaled by sqrt(hidden_size) = {c.hidden_size ** 0.5:.4g} (rounded to the model dtype)",
+             f"attention scale query_pre_attn_scalar**-0.5 with query_pre_attn_scalar = {c.query_pre_attn_scalar}"]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if getattr(c, key, None) is not None:
+            notes.append(f"{key} = {getattr(c, key)}")
+    return tuple(notes)
+
+
+def _gemma2(c):
+    norm = _rms(c.rms_norm_eps, "gemma", offset=1.0)
+    return dict(block_norm=norm, placement="sandwich", layer_norms=_SANDWICH, final_norm=norm,
+                qk_norm=QKNormSpec(), biases=_attn_biases(c), notes=_gemma_notes(c))
+
+
+def _gemma3(c):
+    norm = _rms(c.rms_norm_eps, "gemma", offset=1.0)
+    return dict(block_norm=norm, placement="sandwich", layer_norms=_SANDWICH, final_norm=norm,
+                qk_norm=QKNormSpec("per_head", norm, True), biases=_attn_biases(c), notes=_gemma_notes(c))
+
+
+def _gpt_oss(c):
+    norm = _rms(c.rms_norm_eps, "gemma")
+    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm, qk_norm=QKNormSpec(),
+                biases=_attn_biases(c, router=True, experts=True), attention_sinks=True,
+                notes=("one learned attention-sink logit per head joins each softmax",))
+
+
+def _minimax_m2(c):
+    # transformers' MiniMaxM2Attention always builds per-layer q_norm/k_norm; a config asking for
+    # anything else describes a model transformers does not build, so refuse rather than guess.
+    if getattr(c, "use_qk_norm", True) is not True or getattr(c, "qk_norm_type", "per_layer") != "per_layer":
+        raise SpecError(
+            "minimax_m2: transformers builds per_layer QK-Norm only; config has "
+            f"use_qk_norm={getattr(c, 'use_qk_norm', None)!r}, qk_norm_type={getattr(c, 'qk_norm_type', None)!r}"
+        )
+    norm = _rms(c.rms_norm_eps, "llama")
+    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm,
+                qk_norm=QKNormSpec("per_layer", norm, True),
+                biases=ProjectionBiases(q=False, k=False, v=False, o=False, mlp=False),
+                notes=("router e_score_correction_bias is a buffer (not a parameter): it shifts expert "
+                       "choice, not the routing weights",))
+
+
+def _cohere(c):
+    norm = NormSpec("layer", float(c.layer_norm_eps), False, 0.0, "gemma")
+    qk = QKNormSpec("per_head_weights", norm, True) if c.use_qk_norm else QKNormSpec()
+    return dict(block_norm=norm, placement="parallel", layer_norms=("input_layernorm",), final_norm=norm,
+                qk_norm=qk, biases=_attn_biases(c), notes=(f"logits multiplied by logit_scale = {c.logit_scale}",))
+
+
+def _phi(c):
+    norm = NormSpec("layer", float(c.layer_norm_eps), True, 0.0, "torch")
+    qk = QKNormSpec("per_head", norm, True) if c.qk_layernorm else QKNormSpec()
+    factor = c.rope_parameters.get("partial_rotary_factor", 1.0)
+    return dict(block_norm=norm, placement="parallel", layer_norms=("input_layernorm",), final_norm=norm,
+                qk_norm=qk, biases=ProjectionBiases(q=True, k=True, v=True, o=True, mlp=True, lm_head=True),
+                notes=(f"partial rotary: RoPE on {factor:g} of each head's features",))
+
+
+def _deepseek_v3(c):
+    norm = _rms(c.rms_norm_eps, "llama")
+    latent = _rms(1e-6, "llama")  # DeepseekV3RMSNorm's default eps: the config's rms_norm_eps is not passed
+    others = []
+    if c.q_lora_rank is not None:
+        others.append(OtherNorm("self_attn.q_a_layernorm", True, c.q_lora_rank, latent))
+    others.append(OtherNorm("self_attn.kv_a_layernorm", True, c.kv_lora_rank, latent))
+    b = bool(c.attention_bias)
+    biases = ProjectionBiases(q=b and c.q_lora_rank is not None, k=b, v=b, o=b, mlp=False)
+    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm, qk_norm=QKNormSpec(),
+                biases=biases, other_norms=tuple(others),
+                notes=("MLA: q and kv are norms of low-rank latents (other norms), not QK-Norm on heads",
+                       "router e_score_correction_bias is a buffer (not a parameter)"))
+
+
+def _bert(c):
+    norm = NormSpec("layer", float(c.layer_norm_eps), True, 0.0, "torch")
+    return dict(block_norm=norm, placement="post", layer_norms=("attention.output.LayerNorm", "output.LayerNorm"),
+                final_norm=None, qk_norm=QKNormSpec(),
+                biases=ProjectionBiases(q=True, k=True, v=True, o=True, mlp=True),
+                other_norms=(OtherNorm("embeddings.LayerNorm", False, c.hidden_size, norm),))
+
+
+_FAMILIES = {
+    "llama": _llama, "qwen3": _qwen3, "olmo2": _olmo2, "olmo3": _olmo2, "gemma2": _gemma2,
+    "gemma3_text": _gemma3, "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "cohere": _cohere,
+    "phi": _phi, "deepseek_v3": _deepseek_v3, "bert": _bert,
+}
+
+
+# --------------------------------------------------------------------------------------------
+# tiny configs (random-weight models for demos and tests; nothing is downloaded)
+# --------------------------------------------------------------------------------------------
+
+_TINY_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
+                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TINY_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
+_TINY_EXTRA = {
+    "gemma2": dict(query_pre_attn_scalar=8, sliding_window=16),
+    "gemma3_text": dict(query_pre_attn_scalar=8, sliding_window=16),
+    "gpt_oss": dict(_TINY_MOE, sliding_window=16, max_position_embeddings=131072),
+    "minimax_m2": dict(_TINY_MOE),
+    "cohere": dict(use_qk_norm=True),
+    "phi": dict(qk_layernorm=True),
+    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-5, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
+                        qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
+                        n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16),
+    "bert": dict(num_key_value_heads=None, head_dim=None, type_vocab_size=2),
+}
+
+
+def tiny_config(model_type: str, **overrides) -> dict:
+    """A config.json dict of a tiny model (hidden 32, 2 layers, 4 heads) of a supported family."""
+    _check_supported(model_type)
+    if model_type == "gemma3":
+        model_type = "gemma3_text"
+    values = {**_TINY_COMMON, **_TINY_EXTRA.get(model_type, {}), **overrides}
+    return {"model_type": model_type, **{k: v for k, v in values.items() if v is not None}}
