@@ -52,12 +52,21 @@ def test_card_of_a_checkpoint_directory_and_of_a_config_file(capsys, tmp_path):
     assert code == 0 and from_file == from_dir
 
 
-def test_card_flags_unconfirmed_values(capsys):
-    code, out, _ = run_cli(capsys, "card", "olmo-2-1124-7b")
+def test_card_flags_unconfirmed_values(capsys, tmp_path):
+    config = {**cards.load_bundled_config("qwen3-8b"), "_unconfirmed": ["rms_norm_eps"]}
+    code, out, _ = run_cli(capsys, "card", str(_write(tmp_path / "config.json", json.dumps(config))))
     assert code == 0
     assert "| eps | 1e-06 (unconfirmed) |" in out
-    assert "| Unconfirmed config values | " in out
-    assert "| Casting | gemma:" in out and "(unconfirmed)" not in out.split("| Casting |")[1].split("\n")[0]
+    assert "| Unconfirmed config values | rms_norm_eps |" in out
+    assert "| Casting | llama:" in out and "(unconfirmed)" not in out.split("| Casting |")[1].split("\n")[0]
+
+
+def test_bundled_configs_confirmed_by_their_sources_have_no_unconfirmed_rows(capsys):
+    """OLMo-2-1124-7B: every kept value is confirmed by allenai/OLMo's official training config
+    (configs/SOURCES.md), so its card carries no "(unconfirmed)" mark."""
+    code, out, _ = run_cli(capsys, "card", "olmo-2-1124-7b")
+    assert code == 0 and "unconfirmed" not in out
+    assert "| eps | 1e-06 |" in out
 
 
 def test_diff_lists_the_differing_fields(capsys):
