@@ -101,12 +101,12 @@ def test_every_citation_resolves_and_every_source_is_cited(site):
     assert not uncited, f"in references.bib but cited from no chapter: {uncited[0]}"
     from bs4 import BeautifulSoup
 
-    sources = BeautifulSoup((site / "book" / "07_sources.html").read_text(encoding="utf-8"), "html.parser")
+    sources = BeautifulSoup((site / "book" / "08_sources.html").read_text(encoding="utf-8"), "html.parser")
     entries = {div["id"] for div in sources.find_all("div", attrs={"role": "doc-biblioentry"})}
     assert len(entries) == len(known), f"{len(entries)} entries on the Sources page for {len(known)} keys"
     for page in _pages(site):
         soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
-        for link in soup.find_all("a", href=re.compile(r"07_sources\.html#")):
+        for link in soup.find_all("a", href=re.compile(r"08_sources\.html#")):
             anchor = link["href"].split("#", 1)[1]
             if link.find_parent(attrs={"role": "doc-biblioentry"}) is None and anchor.startswith("id"):
                 assert anchor in entries, f"{page.name}: citation link {link['href']} is not a bibliography entry"
