@@ -1,7 +1,6 @@
-"""Training loop, stability measures and the byte-level standard-library data."""
+"""Training loop, stability measures and the byte-level corpus."""
 
-import sysconfig
-from pathlib import Path
+import hashlib
 
 import matplotlib
 import numpy as np
@@ -20,7 +19,7 @@ matplotlib.use("Agg")
 
 @pytest.fixture(scope="module")
 def text():
-    return data.load_stdlib_text()
+    return data.load_corpus()
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -28,16 +27,21 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 # ------------------------------------------------------------------------------------- data
 
-def test_corpus_is_the_stdlib_sources_as_bytes(text):
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = data.stdlib_files()
-    assert len(files) >= 50 and all(root in f.parents for f in files)
-    raw = b"".join(f.read_bytes() for f in files)
+def test_corpus_is_the_fixed_text_with_its_hash(text):
+    # sha256 of karpathy/char-rnn data/tinyshakespeare/input.txt (normtools/lab/corpus/SOURCE.md)
+    expected = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
     ids = torch.cat([text.train, text.val])
-    assert 0.85 < text.train.numel() / ids.numel() < 0.95
-    assert ids.numel() > len(raw)                              # plus the separators
-    assert int(ids.min()) >= 0 and int(ids.max()) < 256
-    assert data.decode(ids[:200]) == files[0].read_bytes()[:200].decode("utf-8", errors="replace")
+    assert hashlib.sha256(bytes(ids.to(torch.uint8).tolist())).hexdigest() == expected
+    assert ids.numel() == 1_115_394
+    assert (text.train.numel(), text.val.numel()) == (1_003_854, 111_540)
+    assert data.decode(ids[:14]) == "First Citizen:"
+
+
+def test_a_changed_corpus_is_refused(tmp_path):
+    changed = tmp_path / "corpus.txt"
+    changed.write_bytes(data.CORPUS_PATH.read_bytes()[:-1] + b"?")
+    with pytest.raises(ValueError, match="sha256"):
+        data.corpus_bytes(changed)
 
 
 def test_encode_decode_round_trip():

@@ -1,17 +1,16 @@
-"""Real text for the stability lab: the Python standard library's own sources, as bytes.
+"""Real text for the stability lab: a fixed public-domain corpus stored in the package, as bytes.
 
-Nothing is downloaded and nothing is committed: the text is read at run time from the
-``.py`` files that ship with the running Python (``sysconfig.get_paths()["stdlib"]``).
+The corpus is ``normtools/lab/corpus/tinyshakespeare.txt`` (a subset of Shakespeare's plays,
+1,115,394 bytes; source, licence and hash in ``corpus/SOURCE.md``). It ships with the package, so
+every machine and every Python version trains on the same bytes; nothing is downloaded.
 Tokenization is byte level (one token per byte, vocabulary 256), so ``decode(encode(s)) == s``.
-
-The corpus is a fixed list of modules (:data:`STDLIB_MODULES`), read in that order and joined
-with a separator, so it is deterministic for a given Python version. The last ``val_fraction``
-of the bytes is the validation split.
+The last ``val_fraction`` of the bytes is the validation split.
 """
 
 from __future__ import annotations
 
-import sysconfig
+import hashlib
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,38 +18,19 @@ import torch
 
 VOCAB_SIZE = 256
 
-#: Standard-library modules that make up the corpus (a mix of code and long docstrings;
-#: every one exists as a single ``.py`` file in CPython 3.10 to 3.13).
-STDLIB_MODULES = (
-    "abc", "argparse", "ast", "base64", "bisect", "calendar", "cmd", "codecs", "colorsys",
-    "configparser", "contextlib", "copy", "csv", "dataclasses", "datetime", "decimal",
-    "difflib", "dis", "enum", "fnmatch", "fractions", "functools", "getopt", "gettext",
-    "glob", "gzip", "heapq", "hmac", "inspect", "ipaddress", "keyword", "linecache",
-    "locale", "numbers", "operator", "optparse", "pathlib", "pprint", "queue", "random",
-    "reprlib", "sched", "secrets", "selectors", "shlex", "shutil", "signal", "statistics",
-    "string", "struct", "textwrap", "threading", "timeit", "tokenize", "trace", "traceback",
-    "types", "typing", "uuid", "warnings", "weakref", "zipfile",
-)
-
-_SEPARATOR = b"\n\n# ----\n\n"
+#: The corpus file, read at run time from the installed package.
+CORPUS_PATH = Path(__file__).with_name("corpus") / "tinyshakespeare.txt"
+#: sha256 of the corpus bytes; :func:`load_corpus` refuses a file that does not match.
+CORPUS_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 
-def stdlib_files(modules: tuple[str, ...] = STDLIB_MODULES) -> list[Path]:
-    """Paths of the named modules' sources in the running Python's standard library.
-
-    A module that is a package in this Python (``pathlib`` became one in 3.13) contributes
-    its ``__init__.py``; a module that is missing altogether is skipped.
-    """
-    root = Path(sysconfig.get_paths()["stdlib"])
-    paths = []
-    for name in modules:
-        for candidate in (root / f"{name}.py", root / name / "__init__.py"):
-            if candidate.is_file():
-                paths.append(candidate)
-                break
-    if not paths:
-        raise FileNotFoundError(f"no standard-library sources found under {root}")
-    return paths
+def corpus_bytes(path: Path = CORPUS_PATH) -> bytes:
+    """The corpus file's bytes, after checking them against :data:`CORPUS_SHA256`."""
+    raw = path.read_bytes()
+    digest = hashlib.sha256(raw).hexdigest()
+    if digest != CORPUS_SHA256:
+        raise ValueError(f"{path} has sha256 {digest}, expected {CORPUS_SHA256}: the corpus was changed")
+    return raw
 
 
 def encode(text: str | bytes) -> torch.Tensor:
@@ -99,11 +79,22 @@ class TextData:
         return x.to(device), y.to(device)
 
 
-def load_stdlib_text(modules: tuple[str, ...] = STDLIB_MODULES, val_fraction: float = 0.1) -> TextData:
-    """The corpus: the named standard-library sources, joined, as byte tokens (about 2 MB)."""
+def load_corpus(val_fraction: float = 0.1) -> TextData:
+    """The corpus as byte tokens: the first ``1 - val_fraction`` of the bytes train, the rest validate.
+
+    With the default split: 1,003,854 training and 111,540 validation bytes.
+    """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
-    raw = _SEPARATOR.join(path.read_bytes() for path in stdlib_files(modules))
-    ids = encode(raw)
+    ids = encode(corpus_bytes())
     n_train = int(ids.numel() * (1.0 - val_fraction))
     return TextData(train=ids[:n_train], val=ids[n_train:])
+
+
+def load_stdlib_text(val_fraction: float = 0.1) -> TextData:
+    """Deprecated alias of :func:`load_corpus` (the corpus is no longer the standard library).
+
+    Kept only until the chapters that call it have switched; it returns the new corpus.
+    """
+    warnings.warn("load_stdlib_text() is deprecated; use load_corpus()", DeprecationWarning, stacklevel=2)
+    return load_corpus(val_fraction)
