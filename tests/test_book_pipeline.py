@@ -1,6 +1,7 @@
 """The book's machinery: nbval catches stale outputs, a raising notebook fails both commands,
 a Sphinx warning fails the build, volatile metadata is stripped, and the package ships its kernels."""
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -136,7 +137,7 @@ def test_toc_lists_every_chapter_and_nothing_missing():
     assert {f"book/{p.stem}" for p in CHAPTERS} <= listed
 
 
-def test_wheel_ships_kernels_inside_normtools(tmp_path):
+def test_wheel_ships_kernels_corpus_and_configs_inside_normtools(tmp_path):
     result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                              "-q", "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True,
                             timeout=300)
@@ -147,6 +148,12 @@ def test_wheel_ships_kernels_inside_normtools(tmp_path):
     assert not any(n.startswith("kernels/") for n in names), "a generic top-level 'kernels' package"
     kernel_files = {p.name for p in (ROOT / "kernels").glob("*.py")}
     assert {n.split("/")[-1] for n in names if n.startswith("normtools/_kernels/")} >= kernel_files
+    # package data: the lab's corpus (checked against its published sha256) and the model configs
+    corpus = zipfile.ZipFile(wheel).read("normtools/lab/corpus/tinyshakespeare.txt")
+    assert hashlib.sha256(corpus).hexdigest() == (
+        "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed")
+    assert "normtools/lab/corpus/SOURCE.md" in names
+    assert any(n.startswith("normtools/cards/configs/") and n.endswith(".json") for n in names)
 
 
 def test_book_includes_every_kernel_file_and_pastes_none():
