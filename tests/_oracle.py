@@ -78,19 +78,27 @@ def assert_close_to_oracle(out, ref64, same, dtype, what):
                             f"by {worst:.3g} (max error {err.max().item():.3g})")
 
 
-LAYOUTS = ("contiguous", "padded_rows", "permuted_leading", "strided_last")
+LAYOUTS = ("contiguous", "padded_rows", "permuted_leading", "strided_last", "transposed_last",
+           "expanded")
 
 
-def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.0, shift=0.0):
+def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.0, shift=0.0,
+               generator=None):
     """Random normal tensor (times ``scale``, plus ``shift``) of ``shape`` whose memory layout
     is one of LAYOUTS:
 
     * "padded_rows": rows of a wider buffer (row stride > N);
     * "permuted_leading": the first two leading dims transposed (not viewable as (M, N) rows;
       plain contiguous with fewer than two leading dims);
-    * "strided_last": every other element along the last dim (last-dim stride 2).
+    * "strided_last": every other element along the last dim (last-dim stride 2);
+    * "transposed_last": the last two dims transposed in memory (last-dim stride = the size of
+      the dim before it; plain contiguous for a 1-D tensor);
+    * "expanded": stride 0 along the first dim (every row, or for a 1-D tensor every element,
+      is the same value), as ``t.expand`` or an upstream gradient of ``y.sum()`` gives.
+
+    ``generator`` (a torch.Generator) replaces ``seed`` when given.
     """
-    gen = torch.Generator().manual_seed(seed)
+    gen = generator if generator is not None else torch.Generator().manual_seed(seed)
     *lead, n = shape
     if layout == "padded_rows":
         owner, view = torch.randn(*lead, n + 3, generator=gen), lambda t: t[..., :n]
@@ -99,6 +107,12 @@ def make_input(shape, dtype, layout="contiguous", device="cpu", seed=0, scale=1.
         view = lambda t: t.transpose(0, 1)  # noqa: E731
     elif layout == "strided_last":
         owner, view = torch.randn(*lead, 2 * n, generator=gen), lambda t: t[..., ::2]
+    elif layout == "transposed_last" and lead:
+        owner = torch.randn(*lead[:-1], n, lead[-1], generator=gen)
+        view = lambda t: t.transpose(-1, -2)  # noqa: E731
+    elif layout == "expanded":
+        owner = torch.randn(1, *shape[1:], generator=gen)
+        view = lambda t: t.expand(shape)  # noqa: E731
     else:
         owner, view = torch.randn(*shape, generator=gen), lambda t: t  # noqa: E731
     return view((owner * scale + shift).to(device=device, dtype=dtype))

@@ -41,6 +41,13 @@ def _stat_shape(x):
     return (*x.shape[:-1], 1)
 
 
+def _param_or(param, placeholder):
+    """A per-feature parameter (weight, bias) as a contiguous tensor, since the kernels address it
+    as ``W + col`` (a copy of N values at most: a sliced or expanded weight is honoured); or
+    ``placeholder`` as the unused pointer when there is none."""
+    return placeholder if param is None else param.contiguous()
+
+
 def _persistent_grid(m, n, element_size, device):
     """(programs, rows_per_program, BLOCK_M, BLOCK_N, num_warps) of a persistent backward grid."""
     block_m, block_n, num_warps = row_blocking(m, n, element_size, device)
@@ -68,7 +75,7 @@ def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
     block_m, block_n, num_warps = row_blocking(m, n, x.element_size(), x.device)
     if m > 0:
         kernel_for(_rms.rms_norm_fwd, x.device)[(triton.cdiv(m, block_m),)](
-            x2, res2, y, sum2, x2 if weight is None else weight, rstd,
+            x2, res2, y, sum2, _param_or(weight, x2), rstd,
             x2.stride(0), res2.stride(0), n, sum2.stride(0),
             m, n, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
@@ -87,7 +94,7 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
         m, n, x.element_size(), x.device)
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     kernel_for(_rms.rms_norm_bwd, x.device)[(programs,)](
-        dy2, x2, x2 if weight is None else weight, rstd, dsum2, dx, dw_partial,
+        dy2, x2, _param_or(weight, x2), rstd, dsum2, dx, dw_partial,
         dy2.stride(0), x2.stride(0), dsum2.stride(0), n,
         m, n, offset, rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None,
@@ -205,7 +212,7 @@ def _layer_norm_fwd_triton(x, weight, bias, eps):
     block_m, block_n, num_warps = row_blocking(m, n, x.element_size(), x.device)
     if m > 0:
         kernel_for(_ln.layer_norm_fwd, x.device)[(triton.cdiv(m, block_m),)](
-            x2, y, x2 if weight is None else weight, x2 if bias is None else bias, mean, rstd,
+            x2, y, _param_or(weight, x2), _param_or(bias, x2), mean, rstd,
             x2.stride(0), n, m, n, eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
@@ -222,7 +229,7 @@ def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
     dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     db_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
     kernel_for(_ln.layer_norm_bwd, x.device)[(programs,)](
-        dy2, x2, x2 if weight is None else weight, mean, rstd, dx, dw_partial, db_partial,
+        dy2, x2, _param_or(weight, x2), mean, rstd, dx, dw_partial, db_partial,
         dy2.stride(0), x2.stride(0), n, m, n, rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
