@@ -236,3 +236,62 @@ def test_learned_shapes_tinylm_qk_norm_weights():
     params = dict(TinyLM(cfg).named_parameters())
     for r in rows:   # every row names a real parameter of that shape
         assert tuple(params[f"{r['module']}.{r['parameter']}"].shape) == r["shape"]
+
+
+def _hf_bias_numel(model):
+    """Independent of the code under test: the model's own parameter names, filtered by hand.
+
+    A bias is the last name component ``bias`` or ``*_bias``; a norm's is the one under a
+    submodule whose name contains "norm" (input_layernorm, q_norm, ln_f, ...)."""
+    total = 0
+    for name, p in model.named_parameters():
+        owner, leaf = name.rpartition(".")[0], name.rpartition(".")[2]
+        if (leaf == "bias" or leaf.endswith("_bias")) and "norm" not in owner.rpartition(".")[2] \
+                and not owner.rpartition(".")[2].startswith("ln"):
+            total += p.numel()
+    return total
+
+
+def test_learned_shapes_gpt_oss_expert_biases():
+    """gpt-oss's experts hold gate_up_proj_bias (E, 2I) and down_proj_bias (E, H) beside 3-D
+    expert tensors, with no 2-D weight: they are projection biases too."""
+    from normtools import cards
+
+    config = cards.tiny_config("gpt_oss")
+    model = cards.build_model(config, device="meta")
+    hf = model.config
+    rows = learned_shapes(model)
+    E, H, I, L = hf.num_local_experts, hf.hidden_size, hf.intermediate_size, hf.num_hidden_layers
+    expert = Counter((r["parameter"], r["shape"]) for r in rows if r["module"].endswith("mlp.experts"))
+    assert expert == Counter({("gate_up_proj_bias", (E, 2 * I)): L, ("down_proj_bias", (E, H)): L})
+    assert all(r["kind"] == "projection bias" for r in rows if r["module"].endswith("mlp.experts"))
+
+
+@pytest.mark.parametrize("name", ["gemma-3-4b", "gpt-oss-20b", "llama-3-8b", "minimax-m2",
+                                  "olmo-2-1124-7b", "qwen3-8b"])
+def test_projection_bias_total_matches_the_model_and_count_parameters(name):
+    """The bundled published configs on the meta device: the projection-bias elements of
+    learned_shapes equal the model's own bias parameters and count_parameters' bias keys."""
+    from normtools import cards
+    from normtools.cards.params import BIAS_KEYS
+
+    config = cards.load_bundled_config(name)
+    model = cards.build_model(config, device="meta")
+    rows = learned_shapes(model)
+    listed = sum(r["numel"] for r in rows if r["kind"] == "projection bias")
+    counts = cards.count_parameters(config)
+    assert listed == _hf_bias_numel(model) == sum(counts[k] for k in BIAS_KEYS)
+    if name == "gpt-oss-20b":   # chapter 3's figure: attention, expert and router biases
+        assert listed == counts["attention_biases"] + counts["mlp_biases"] + counts["router_biases"]
+        assert counts["mlp_biases"] > 0
+
+
+def test_bias_parameters_gpt2_conv1d_and_no_norm_bias():
+    from normtools.cards.params import bias_parameters
+
+    cfg = GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=4)
+    model = GPT2Model(cfg)
+    names = set(bias_parameters(model))
+    assert "h.0.attn.c_attn.bias" in names and "h.1.mlp.c_proj.bias" in names
+    assert not any("ln_" in n for n in names)   # LayerNorm biases are norm parameters
+    assert sum(p.numel() for p in bias_parameters(model).values()) == _hf_bias_numel(model)

@@ -135,3 +135,32 @@ _MLP_COUNTERS = {
     "phi": _two_layer_mlp_counts, "bert": _two_layer_mlp_counts, "gpt_oss": _gpt_oss_mlp_counts,
     "minimax_m2": _minimax_mlp_counts, "deepseek_v3": _deepseek_mlp_counts,
 }
+
+
+# count_parameters' keys that hold additive biases of projections, experts, router, lm_head and
+# pooler; the biases of norms are counted under "norms".
+BIAS_KEYS = ("attention_biases", "mlp_biases", "router_biases", "lm_head_bias", "pooler_biases")
+
+
+def is_norm_module(module) -> bool:
+    """A normalization module: its class name contains "Norm" (LayerNorm, LlamaRMSNorm, ...)."""
+    return "norm" in type(module).__name__.lower()
+
+
+def bias_parameters(model) -> dict:
+    """Every additive bias of ``model`` outside its norms: {qualified parameter name: parameter}.
+
+    A bias is a parameter named ``bias`` or ending in ``_bias``, of a module that is not a norm
+    (:func:`is_norm_module`). The name rule, not the shape of a neighbouring ``weight``, decides:
+    gpt-oss's experts keep ``gate_up_proj_bias`` and ``down_proj_bias`` as plain parameters of
+    one module, beside 3-D expert matrices. The sum of their numel equals the sum of
+    :data:`BIAS_KEYS` of :func:`count_parameters` for the same config.
+    """
+    biases = {}
+    for module_name, module in model.named_modules():
+        if is_norm_module(module):
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            if name == "bias" or name.endswith("_bias"):
+                biases[f"{module_name}.{name}" if module_name else name] = p
+    return biases

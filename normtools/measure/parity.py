@@ -240,32 +240,29 @@ def norm_parity(module, x, *, casting="llama", offset=0.0,
     return rows
 
 
-def _is_norm(module):
-    """A normalization module: its class name contains "Norm" (LayerNorm, LlamaRMSNorm, ...)."""
-    return "norm" in type(module).__name__.lower()
-
-
 def learned_shapes(model):
     """Every learned norm scale and bias, and every projection bias, of ``model``.
 
     Returns a list of dicts (one per parameter, in module order) with keys module (qualified
     name), class, parameter, kind ("norm scale" for a norm parameter named ``*weight``, e.g.
     QKNorm's ``q_weight``; "norm bias" for ``*bias``; "norm <name>" for another parameter of a
-    norm; "projection bias"), shape, dtype and numel. A norm module is one whose
-    class name contains "Norm"; a projection is any other module with a 2-D ``weight`` and a
-    ``bias`` parameter (``nn.Linear``, GPT-2's ``Conv1D``).
+    norm; "projection bias"), shape, dtype and numel. A norm is a module for which
+    ``normtools.cards.is_norm_module`` holds; the projection biases are exactly
+    ``normtools.cards.bias_parameters(model)`` (linear layers, routers, and expert tensors such
+    as gpt-oss's ``mlp.experts.gate_up_proj_bias``).
     """
+    from normtools.cards.params import bias_parameters, is_norm_module
+
+    biases = bias_parameters(model)
     rows = []
     for name, module in model.named_modules():
         own = dict(module.named_parameters(recurse=False))
-        if _is_norm(module):
+        if is_norm_module(module):
             kinds = {p: "norm scale" if p.endswith("weight") else
                         "norm bias" if p.endswith("bias") else f"norm {p}" for p in own}
-        elif "bias" in own and getattr(module, "weight", None) is not None \
-                and module.weight.dim() == 2:
-            kinds = {"bias": "projection bias"}
         else:
-            continue
+            kinds = {p: "projection bias" for p in own
+                     if (f"{name}.{p}" if name else p) in biases}
         for pname, kind in kinds.items():
             p = own[pname]
             rows.append({"module": name, "class": type(module).__name__, "parameter": pname,
