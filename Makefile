@@ -10,6 +10,12 @@ STAMP       := $(VENV)/.normbook-installed
 CHAPTERS    := $(sort $(wildcard book/*.ipynb))
 BUILD_SRC   := _build/src
 CELL_TIMEOUT ?= 600
+# The locked environment (exact versions, `make lock` regenerates it); LOCK= installs from
+# pyproject.toml's ranges instead.
+LOCK        ?= constraints.txt
+LOCK_ARGS   := $(if $(LOCK),-c $(LOCK))
+LOCK_PYTHON := $(if $(LOCK),$(shell sed -n 's/^\# python: *//p' $(LOCK)))
+TORCH_PIN   := $(if $(LOCK),$(shell grep '^torch==' $(LOCK)),torch)
 PYTEST_ARGS ?=
 export PYTHONHASHSEED := 0
 # OpenMP threads sleep instead of spinning while idle: on a shared 2-core machine spinning
@@ -19,21 +25,31 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: all setup book execute html test unit nbval notebooks clean
+.PHONY: all setup lock book execute html test unit nbval notebooks clean
 
 all: test book
 
 setup: $(STAMP)
 
-# The environment: a venv with the project and every extra. Where no CUDA is present the CPU
-# build of torch is installed first (on these machines torch==2.13.0 comes from local disk);
-# an unpinned torch would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml
+# The environment: a venv with the project and every extra, at the lock's exact versions. Where
+# no CUDA is present the CPU build of torch is installed first (on these machines it comes from
+# local disk; elsewhere pass TORCH_INDEX=https://download.pytorch.org/whl/cpu): otherwise pip
+# would pull a multi-GB CUDA build. The lock's torch line has no +cpu label, so it fits both.
+TORCH_INDEX ?=
+$(STAMP): pyproject.toml $(LOCK)
 	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip
-	if ! command -v nvidia-smi >/dev/null 2>&1; then $(VPY) -m pip install -q torch==2.13.0; fi
-	$(VPY) -m pip install -q -e ".[hf,book,test]"
+	@if [ -n "$(LOCK_PYTHON)" ]; then have=$$($(VPY) -c 'import sys; print("%d.%d" % sys.version_info[:2])'); \
+	  [ "$$have" = "$(LOCK_PYTHON)" ] || { echo "$(LOCK) was made on Python $(LOCK_PYTHON), $(VENV) has $$have:" \
+	  "rerun with PYTHON=python$(LOCK_PYTHON), or LOCK= to install from pyproject's ranges"; exit 1; }; fi
+	$(VPY) -m pip install -q $(LOCK_ARGS) --upgrade pip
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(VPY) -m pip install -q $(LOCK_ARGS) $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) "$(TORCH_PIN)"; fi
+	$(VPY) -m pip install -q $(LOCK_ARGS) -e ".[hf,book,test]"
 	touch $(STAMP)
+
+# Regenerate the lock from the current venv (after a deliberate upgrade; review, commit, rerun).
+lock:
+	$(VPY) -m normtools.book.build lock $(or $(LOCK),constraints.txt)
 
 # --- the book ---------------------------------------------------------------------------
 # Chapters are executed into a copy of the book's sources under _build/src, so the stored

@@ -3,6 +3,7 @@ a Sphinx warning fails the build, volatile metadata is stripped, and the package
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -165,3 +166,70 @@ def test_book_includes_every_kernel_file_and_pastes_none():
             assert f"literalinclude}} ../kernels/{kernel.name}" in text, f"{kernel.name} is not included"
     for name, source in sources.items():
         assert "@triton.jit" not in source, f"{name} pastes kernel code"
+
+
+# ---------------------------------------------------------------------- locked environment
+
+LOCK = ROOT / "constraints.txt"
+
+
+def _requirement_lines(text):
+    return sorted(line for line in text.splitlines() if line and not line.startswith("#"))
+
+
+def test_lock_pins_exactly_what_pip_freeze_reports():
+    """The lock agrees with pip's own view of the venv (minus normtools; local labels dropped)."""
+    from normtools.book.build import lock_text
+
+    frozen = subprocess.run([sys.executable, "-m", "pip", "freeze", "--all", "--exclude-editable"],
+                            capture_output=True, text=True, check=True, timeout=120).stdout
+    expected = sorted(line.split("+")[0] for line in _requirement_lines(frozen)
+                      if "==" in line and not line.lower().startswith("normtools=="))
+    locked = LOCK.read_text()
+    assert sorted(_requirement_lines(locked), key=str.lower) == sorted(expected, key=str.lower), (
+        "the venv differs from constraints.txt: run `make lock` after a deliberate upgrade")
+    assert locked == lock_text(), "constraints.txt is not what `make lock` writes"
+    assert f"# python: {sys.version_info[0]}.{sys.version_info[1]}" in locked
+
+
+def test_every_install_step_uses_the_lock_and_pyproject_keeps_ranges():
+    dry_run = subprocess.run(["make", "-n", "-B", "setup"], cwd=ROOT, capture_output=True, text=True,
+                             check=True, timeout=60).stdout
+    installs = [line for line in dry_run.splitlines() if "pip install" in line]
+    assert len(installs) == 3, dry_run
+    assert all("-c constraints.txt" in line for line in installs), installs
+    assert '"torch==' in dry_run                             # the CPU build at the locked version
+    unlocked = subprocess.run(["make", "-n", "-B", "setup", "LOCK="], cwd=ROOT, capture_output=True,
+                              text=True, check=True, timeout=60).stdout
+    assert not any("-c " in line for line in unlocked.splitlines() if "pip install" in line), unlocked
+    dependencies = [line for line in (ROOT / "pyproject.toml").read_text().splitlines()
+                    if line.strip().startswith('"') and ("=" in line or "<" in line)]
+    assert dependencies and not any("==" in line for line in dependencies), dependencies
+
+
+def test_environment_versions_report_the_installed_packages():
+    import matplotlib
+    import numpy
+    import pandas
+    import torch
+    import transformers
+    import triton
+
+    from normtools.book.notebook import environment_versions
+
+    versions = environment_versions()
+    assert versions["python"] == ".".join(map(str, sys.version_info[:3]))
+    for module in (torch, triton, transformers, numpy, pandas, matplotlib):
+        assert versions[module.__name__] == module.__version__
+    assert environment_versions(("no-such-package",))["no-such-package"] == "not installed"
+
+
+def test_normbook_threads_overrides_the_chapter_parameter():
+    code = ("import torch; from normtools.book.notebook import setup; setup(threads=2); "
+            "print(torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if k != "NORMBOOK_THREADS"}
+    default = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                             check=True, timeout=120).stdout.split()[-1]
+    forced = subprocess.run([sys.executable, "-c", code], env={**env, "NORMBOOK_THREADS": "1"},
+                            capture_output=True, text=True, check=True, timeout=120).stdout.split()[-1]
+    assert (default, forced) == ("2", "1")

@@ -6,10 +6,14 @@ Used by the Makefile (``python -m normtools.book.build execute|strip ...``):
   per-cell timeout) and write the executed copy, stripped, to DST. A cell that raises makes the
   command exit non-zero.
 * ``strip NB...``: remove timestamps, durations and execution counts' volatile metadata in place.
+* ``lock FILE``: write the locked environment (``make lock``), see :func:`lock_text`.
 """
 
 import argparse
+import importlib.metadata
 import json
+import platform
+import re
 import sys
 import time
 from pathlib import Path
@@ -80,6 +84,39 @@ def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_ti
     print(f"{source}: executed in {time.perf_counter() - start:.0f} s")
 
 
+# The project itself is installed from the working tree, never from the lock.
+UNLOCKED_DISTRIBUTIONS = ("normtools",)
+
+
+def _canonical(name: str) -> str:
+    """PEP 503 normalized distribution name (``Foo_Bar.baz`` -> ``foo-bar-baz``)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def lock_text() -> str:
+    """The lock: ``name==version`` for every distribution of the running environment, sorted.
+
+    ``pip install -c`` reads it as constraints, so it pins whatever is installed without adding
+    anything. Local version labels are dropped (``torch==2.13.0+cpu`` is written ``torch==2.13.0``):
+    that one line then selects the CPU build where the Makefile installs it first (no CUDA) and the
+    CUDA build elsewhere. The header records the Python and platform the lock was made on.
+    """
+    versions = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata["Name"]
+        if name and _canonical(name) not in UNLOCKED_DISTRIBUTIONS:
+            versions.setdefault(_canonical(name), f"{name}=={dist.version.split('+')[0]}")
+    header = [
+        "# normbook's locked environment: the exact version of every package in the virtual environment",
+        "# the stored outputs were made with. Regenerate with `make lock`; `make setup` installs with",
+        "# `pip install -c` this file. Versions carry no local label (+cpu, +cu128): the same line fits the",
+        "# CPU and the CUDA build of torch. pyproject.toml keeps ranges for library users.",
+        f"# python: {platform.python_version_tuple()[0]}.{platform.python_version_tuple()[1]}",
+        f"# platform: {platform.system().lower()} {platform.machine()}",
+    ]
+    return "\n".join(header + [versions[key] for key in sorted(versions)]) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m normtools.book.build", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -91,9 +128,14 @@ def main(argv=None) -> int:
     run.add_argument("--cell-timeout", type=int, default=600)
     strip = sub.add_parser("strip", help="strip volatile metadata in place")
     strip.add_argument("notebooks", nargs="+", type=Path)
+    lock = sub.add_parser("lock", help="write the locked environment (name==version per package)")
+    lock.add_argument("output", type=Path)
     args = parser.parse_args(argv)
     if args.command == "execute":
         execute(args.source, args.destination, kernel=args.kernel, cell_timeout=args.cell_timeout)
+    elif args.command == "lock":
+        args.output.write_text(lock_text())
+        print(f"wrote {args.output}")
     else:
         for path in args.notebooks:
             if strip_file(path):

@@ -5,10 +5,15 @@ A chapter calls :func:`setup` once, after its ``parameters`` cell::
     device = normtools.book.notebook.setup(seed=0, threads=2)
 
 and publishes numbers for its prose with :func:`glue_number`, so that no figure in the text is
-typed by hand.
+typed by hand. Its conditions cell shows :func:`environment_versions`.
+
+The environment variable ``NORMBOOK_THREADS`` overrides every chapter's ``threads`` parameter
+(CI reruns nbval with ``NORMBOOK_THREADS=1`` to check that the stored outputs do not depend on it).
 """
 
+import importlib.metadata
 import os
+import platform
 import random
 import warnings
 
@@ -29,12 +34,13 @@ def select_device(requested: str = "auto") -> torch.device:
 def setup(seed: int = 0, threads: int = 2, device: str = "auto") -> torch.device:
     """Seed every generator, fix the CPU thread count, quiet known warnings, set plot defaults.
 
-    Returns the device the chapter should run on (CUDA when present, else CPU).
+    ``NORMBOOK_THREADS``, when set, replaces ``threads``. Returns the device the chapter should
+    run on (CUDA when present, else CPU).
     """
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    torch.set_num_threads(threads)
+    torch.set_num_threads(int(os.environ.get("NORMBOOK_THREADS", threads)))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     warnings.filterwarnings("ignore", category=UserWarning, module=r"torch\..*")
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -60,3 +66,22 @@ def glue_number(name: str, value: float, fmt: str = "{:.3g}") -> str:
     text = fmt.format(value)
     glue(name, text, display=False)
     return text
+
+
+#: The packages whose versions a chapter's conditions cell reports (the lock pins them all).
+REPORTED_PACKAGES = ("torch", "triton", "transformers", "numpy", "pandas", "matplotlib")
+
+
+def environment_versions(packages: tuple[str, ...] = REPORTED_PACKAGES) -> dict[str, str]:
+    """Installed versions of ``packages`` plus ``python``, e.g. ``{"python": "3.11.7", "torch": ...}``.
+
+    Read from the installed distributions' metadata (nothing is imported); a package that is not
+    installed is reported as ``"not installed"``.
+    """
+    versions = {"python": platform.python_version()}
+    for name in packages:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
