@@ -2,7 +2,9 @@
 
 The hand computation below does not use normtools.lab.tinylm: norms, RoPE (as complex rotation),
 attention (explicit loops over heads with the GQA head map), SwiGLU and each placement's
-block are written out from their definitions, reading the model's weights.
+block are written out from their definitions, reading the model's weights. The designs of
+chapter 7 too: DeepNorm's α and β from Wang et al. (2022)'s formulas, Mix-LN's layer split,
+LayerNorm Scaling's 1/√ℓ, nGPT's v/‖v‖ and step, and DyT's w·tanh(α·x) + b.
 """
 
 import math
@@ -12,7 +14,8 @@ import pytest
 import torch
 
 import normtools
-from normtools.lab.tinylm import PLACEMENT_NAMES, TinyLM, TinyLMConfig, block_equation, set_backend
+from normtools.lab.tinylm import (PLACEMENT_NAMES, RELATED_PLACEMENTS, DyT, SphereNorm, TinyLM,
+                                  TinyLMConfig, block_equation, set_backend)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -26,6 +29,10 @@ EXPECTED_TEXT = {
     "post_sublayer": "x = x + N_attn_out(Attn(x))\nx = x + N_mlp_out(MLP(x))",
     "parallel": "x = x + Attn(N_in(x)) + MLP(N_in(x))",
     "none": "x = x + Attn(x)\nx = x + MLP(x)",
+    "deepnorm": "x = N_attn_res(α·x + Attn(x))\nx = N_mlp_res(α·x + MLP(x))",
+    "lns": "x = x + Attn(N_attn_in(x)/√ℓ)\nx = x + MLP(N_mlp_in(x)/√ℓ)",
+    "ngpt": ("x = N_attn_res(x + a_attn ⊙ (N_attn_out(Attn(x)) − x))\n"
+             "x = N_mlp_res(x + a_mlp ⊙ (N_mlp_out(MLP(x)) − x))"),
 }
 
 
@@ -33,8 +40,17 @@ def d64(t):
     return t.detach().to(torch.float64)
 
 
+def hand_sphere(x):
+    """nGPT's normalization: each row scaled to L2 norm √d (RMS 1)."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True) * math.sqrt(x.shape[-1])
+
+
 def hand_norm(norm, x, eps):
+    if isinstance(norm, SphereNorm):
+        return hand_sphere(x)
     w = d64(norm.weight)
+    if isinstance(norm, DyT):
+        return w * torch.tanh(d64(norm.alpha) * x) + d64(norm.bias)
     if isinstance(norm, normtools.RMSNorm):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
     mean = x.mean(-1, keepdim=True)
@@ -85,8 +101,9 @@ def hand_mlp(mlp, h):
     return (gate * torch.sigmoid(gate) * up) @ d64(mlp.down_proj.weight).T
 
 
-def hand_block(block, x, cfg):
-    """The printed equation of cfg.placement, written out by hand for one sequence x (T, width)."""
+def hand_block(block, x, cfg, layer):
+    """The printed equation of cfg.placement, written out by hand for one sequence x (T, width)
+    in decoder layer ``layer`` (0-based)."""
     def N(name, v):
         return hand_norm(block.norms[name], v, cfg.eps)
 
@@ -96,8 +113,22 @@ def hand_block(block, x, cfg):
     def MLP(v):
         return hand_mlp(block.mlp, v)
 
+    L = cfg.depth
     p = cfg.placement
-    if p == "post":
+    if p == "mix_ln":       # Li et al. 2024: Post-LN in the first ⌊fraction·L⌋ layers
+        p = "post" if layer < int(cfg.post_ln_fraction * L) else "pre"
+    if p == "deepnorm":     # Wang et al. 2022, decoder-only: α = (2L)^(1/4)
+        alpha = (2 * L) ** 0.25
+        x = N("attn_res", alpha * x + Attn(x))
+        x = N("mlp_res", alpha * x + MLP(x))
+    elif p == "lns":        # Sun et al. 2025: the norm's output times 1/√ℓ, ℓ = layer + 1
+        x = x + Attn(N("attn_in", x) / math.sqrt(layer + 1))
+        x = x + MLP(N("mlp_in", x) / math.sqrt(layer + 1))
+    elif p == "ngpt":       # Loshchilov et al. 2025: h ← S(h + α ⊙ (S(f(h)) − h))
+        a_attn, a_mlp = d64(block.rates["attn"]), d64(block.rates["mlp"])
+        x = hand_sphere(x + a_attn * (hand_sphere(Attn(x)) - x))
+        x = hand_sphere(x + a_mlp * (hand_sphere(MLP(x)) - x))
+    elif p == "post":
         x = N("attn_res", x + Attn(x))
         x = N("mlp_res", x + MLP(x))
     elif p == "pre":
@@ -124,7 +155,7 @@ def randomized_model(**config):
     model = TinyLM(TinyLMConfig.from_size("test", backend="torch", **config))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if param.dim() == 1 or "q_weight" in name or "k_weight" in name:
+            if param.dim() <= 1 or "q_weight" in name or "k_weight" in name:
                 param.add_(0.3 * torch.randn_like(param))
     return model
 
@@ -134,19 +165,34 @@ CASES = [dict(placement=p) for p in PLACEMENT_NAMES] + [
     dict(placement="post", norm="layer", qk_norm="per_layer"),
     dict(placement="sandwich", qk_norm="per_head", heads=4, kv_heads=1),
     dict(placement="parallel", qk_norm="per_layer", heads=4, kv_heads=2),
+    dict(placement="deepnorm", norm="layer"),
+    dict(placement="mix_ln", post_ln_fraction=0.5, depth=3),
+    dict(placement="lns", depth=3, qk_norm="per_head"),
+    dict(placement="ngpt", depth=3),
+    dict(placement="pre", norm="dyt"),
+    dict(placement="post", norm="dyt", final_norm=True),
 ]
+
+
+def expected_text(cfg, layer):
+    if cfg.placement == "mix_ln":
+        return EXPECTED_TEXT["post" if layer < int(cfg.post_ln_fraction * cfg.depth) else "pre"]
+    return EXPECTED_TEXT[cfg.placement]
 
 
 @pytest.mark.parametrize("config", CASES, ids=lambda c: "-".join(str(v) for v in c.values()))
 def test_forward_equals_printed_equation(config):
     model = randomized_model(**config)
     cfg = model.config
-    assert model.block_equation() == EXPECTED_TEXT[cfg.placement]
+    for layer in range(cfg.depth):
+        assert block_equation(cfg, layer=layer) == expected_text(cfg, layer)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     x = model.embed(ids)
-    for block in model.layers:
+    if cfg.placement == "ngpt":
+        x = hand_sphere(d64(x)).float()
+    for layer, block in enumerate(model.layers):
         got = block(x)
-        want = torch.stack([hand_block(block, d64(seq), cfg) for seq in x])
+        want = torch.stack([hand_block(block, d64(seq), cfg, layer) for seq in x])
         torch.testing.assert_close(d64(got), want, rtol=1e-5, atol=1e-5)
         x = got
     # the whole model: blocks, then the final norm where the config has one, then the head
@@ -157,9 +203,19 @@ def test_forward_equals_printed_equation(config):
     torch.testing.assert_close(d64(logits), h @ d64(model.lm_head.weight).T, rtol=1e-5, atol=1e-5)
 
 
+def test_mix_ln_equation_names_its_layers():
+    cfg = TinyLMConfig(placement="mix_ln", depth=8)           # ⌊0.25 · 8⌋ = 2 Post-LN layers
+    assert block_equation(cfg) == ("layers 0-1 (post):\n" + EXPECTED_TEXT["post"]
+                                   + "\nlayers 2-7 (pre):\n" + EXPECTED_TEXT["pre"])
+    assert block_equation(cfg.replace(post_ln_fraction=0.0)) == "layers 0-7 (pre):\n" + EXPECTED_TEXT["pre"]
+    model = TinyLM(cfg.replace(width=32, heads=2, max_seq_len=8))
+    assert [b.placement for b in model.layers] == ["post"] * 2 + ["pre"] * 6
+
+
 def test_final_norm_defaults():
     expected = {"post": False, "pre": True, "sandwich": True, "post_sublayer": True,
-                "parallel": True, "none": False}
+                "parallel": True, "none": False, "deepnorm": False, "mix_ln": True,
+                "lns": True, "ngpt": False}
     for placement, on in expected.items():
         model = TinyLM(TinyLMConfig.from_size("test", placement=placement, backend="torch"))
         assert isinstance(model.final_norm, normtools.RMSNorm) is on
@@ -167,25 +223,47 @@ def test_final_norm_defaults():
     assert isinstance(model.final_norm, normtools.LayerNorm)
 
 
-@pytest.mark.parametrize("placement", PLACEMENT_NAMES)
+@pytest.mark.parametrize("placement", PLACEMENT_NAMES + RELATED_PLACEMENTS)
 def test_latex_equation_has_the_same_structure(placement):
     cfg = TinyLMConfig(placement=placement)
     text, latex = block_equation(cfg, "text"), block_equation(cfg, "latex")
     assert latex.startswith(r"\begin{aligned}") and latex.endswith(r"\end{aligned}")
-    assert latex.count(r"\leftarrow") == text.count("\n") + 1
+    assert latex.count(r"\leftarrow") == text.count("x = ")
+    assert latex.count(r"\text{layers") == text.count("layers ")
+    assert latex.count(r"\alpha") == text.count("α·")
+    assert latex.count(r"\sqrt{\ell}") == text.count("√ℓ")
+    assert latex.count(r"\odot") == text.count("⊙")
     assert latex.count(r"\mathrm{N}") == text.count("N_")
     assert latex.count(r"\mathrm{Attn}") == text.count("Attn(")
     assert latex.count(r"\mathrm{MLP}") == text.count("MLP(")
 
 
-def test_norm_modules_follow_the_equation():
-    """Each block holds exactly the norms its equation names, as normtools modules."""
-    for placement in PLACEMENT_NAMES:
-        model = TinyLM(TinyLMConfig.from_size("test", placement=placement, norm="layer"))
-        names = set(re.findall(r"N_(\w+)\(", EXPECTED_TEXT[placement]))
-        for block in model.layers:
+@pytest.mark.parametrize("norm, kind", [("layer", normtools.LayerNorm), ("dyt", DyT)])
+def test_norm_modules_follow_the_equation(norm, kind):
+    """Each block holds exactly the norms its equation names, of the configured kind (nGPT's
+    are always weightless sphere norms)."""
+    for placement in PLACEMENT_NAMES + RELATED_PLACEMENTS:
+        if placement == "ngpt" and norm != "rms":
+            continue
+        cfg = TinyLMConfig.from_size("test", placement=placement, norm=norm, depth=4)
+        for layer, block in enumerate(TinyLM(cfg).layers):
+            names = set(re.findall(r"N_(\w+)\(", expected_text(cfg, layer)))
             assert set(block.norms.keys()) == names
-            assert all(isinstance(n, normtools.LayerNorm) for n in block.norms.values())
+            assert all(isinstance(n, kind) for n in block.norms.values())
+    ngpt = TinyLM(TinyLMConfig.from_size("test", placement="ngpt"))
+    assert all(isinstance(n, SphereNorm) for b in ngpt.layers for n in b.norms.values())
+    assert isinstance(ngpt.embed_norm, SphereNorm)
+    assert not [name for name, _ in ngpt.named_parameters() if "norms" in name]
+
+
+def test_dyt_and_ngpt_initial_values():
+    cfg = TinyLMConfig.from_size("test", norm="dyt", dyt_alpha=0.7)
+    dyt = TinyLM(cfg).layers[0].norms["attn_in"]
+    assert dyt.alpha.shape == () and dyt.alpha.item() == pytest.approx(0.7)
+    assert torch.equal(dyt.weight, torch.ones(32)) and torch.equal(dyt.bias, torch.zeros(32))
+    block = TinyLM(TinyLMConfig.from_size("test", placement="ngpt", ngpt_alpha=0.1)).layers[1]
+    for f in ("attn", "mlp"):
+        assert torch.allclose(block.rates[f], torch.full((32,), 0.1))
 
 
 def test_init_is_gpt2_like():
@@ -201,6 +279,22 @@ def test_init_is_gpt2_like():
         assert abs(o_std - expected) < 0.05 * expected
         assert abs(down_std - expected) < 0.05 * expected
         assert torch.equal(model.layers[0].norms["attn_in"].weight, torch.ones(256))
+
+
+def test_deepnorm_init_scales_v_o_and_mlp_by_beta():
+    """Wang et al. 2022 (decoder-only): β = (8L)^(−1/4) on v, o and the FFN; q, k unscaled."""
+    torch.manual_seed(0)
+    depth = 6
+    model = TinyLM(width=256, depth=depth, heads=4, placement="deepnorm", backend="torch")
+    beta = (8 * depth) ** -0.25
+    layer = model.layers[0]
+    stds = {name: getattr(sub, name).weight.std().item()
+            for sub, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
+                               (layer.mlp, ("gate_proj", "up_proj", "down_proj")))
+            for name in names}
+    for name, std in stds.items():
+        expected = 0.02 * (1.0 if name in ("q_proj", "k_proj") else beta)
+        assert abs(std - expected) < 0.05 * expected, name
 
 
 def test_set_backend_switches_every_norm():
@@ -243,6 +337,9 @@ def test_triton_backend_gives_the_same_forward_and_gradients(placement, qk_norm,
     (dict(heads=4, kv_heads=3), "multiple"),
     (dict(eps=0.0), "eps"),
     (dict(backend="cuda"), "backend"),
+    (dict(placement="mix_ln", post_ln_fraction=1.5), "post_ln_fraction"),
+    (dict(norm="dyt", dyt_alpha=0.0), "positive"),
+    (dict(placement="ngpt", norm="layer"), "ngpt"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):

@@ -10,6 +10,25 @@ norm, RMSNorm or LayerNorm; every N is a separate module with its own weight):
     parallel       x = x + Attn(N(x)) + MLP(N(x)), one shared N           (GPT-J, Cohere, Phi)
     none           x = x + Attn(x);           x = x + MLP(x)
 
+The designs of chapter 7 ("Related") add four placements (:data:`RELATED_PLACEMENTS`) and one
+norm kind:
+
+    deepnorm  x = N(α·x + Attn(x));  x = N(α·x + MLP(x))                  (DeepNet, GLM-130B)
+    mix_ln    post in the first ⌊post_ln_fraction · depth⌋ layers, pre in the others  (Mix-LN)
+    lns       x = x + Attn(N(x)/√ℓ);  x = x + MLP(N(x)/√ℓ)     (LayerNorm Scaling, ℓ = 1..depth)
+    ngpt      x = S(x + a_attn ⊙ (S(Attn(x)) − x));  the same for the MLP   (nGPT, simplified)
+
+* DeepNorm (Wang et al. 2022, decoder-only constants): α = (2·depth)^(1/4), and the init std of
+  ``v_proj``, ``o_proj`` and the MLP's three projections is multiplied by β = (8·depth)^(−1/4).
+* nGPT (Loshchilov et al. 2025): S(v) = √width · v / ‖v‖, the row put on the sphere of radius
+  √width (RMS 1), a weightless RMSNorm; it is applied to the embedding output too, and a_attn,
+  a_mlp are learned per-feature step sizes (init ``ngpt_alpha``); no final norm. Simplified: the
+  weight matrices are not renormalized after each optimizer step, there are no s_qk, s_u, s_v,
+  s_z scalings, and q, k are normalized only by the ``qk_norm`` option.
+* ``norm="dyt"``: Dynamic Tanh (Zhu et al. 2025), DyT(x) = w ⊙ tanh(α·x) + b with α one learned
+  scalar (init ``dyt_alpha``), in place of every block norm and the final norm (QK-Norm stays
+  an RMSNorm).
+
 The block is written once, in :func:`block_program`, over a small set of operations (norm,
 sublayer, add, assign). The forward pass runs it on tensors; :func:`block_equation` runs the
 very same function on strings to print the equation, so the printed form cannot drift from
@@ -21,6 +40,8 @@ can read them: set ``attn.keep_logits = True`` and the pre-mask logits of the la
 are kept in ``attn.logits`` (B, H, T, T). Optional QK-Norm (``qk_norm``): an RMSNorm of q and
 k after their projections and before RoPE, over each head (``per_head``, Qwen3/Gemma 3) or
 over the whole projection (``per_layer``, OLMo 2); it is always an RMSNorm, as in those models.
+Optional soft-capping (``attn_softcap`` = c, Gemma 2): the softmax sees c · tanh(s / c), so
+every logit it sees lies in (−c, c); ``attn.logits`` keeps s itself, before the cap.
 
 MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``, hidden width ≈ 8/3 · width (Llama).
 
@@ -41,11 +62,16 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from normtools.core.modules import LayerNorm, RMSNorm
+from normtools.core.ops import rms_norm
 from normtools.core.qk import QKNorm
 from normtools.core import _validate
 
 PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
-NORM_NAMES = ("rms", "layer")
+#: The placements of chapter 7 ("Related"); ``mix_ln`` mixes two of the above across layers.
+RELATED_PLACEMENTS = ("deepnorm", "mix_ln", "lns", "ngpt")
+#: What one block can be (``mix_ln`` is not one: each of its layers is ``post`` or ``pre``).
+BLOCK_PLACEMENTS = PLACEMENT_NAMES + ("deepnorm", "lns", "ngpt")
+NORM_NAMES = ("rms", "layer", "dyt")
 QK_NORM_SCOPES = ("none", "per_head", "per_layer")
 
 #: Size presets: "test" (unit tests), "cpu" (chapters on 2 CPU cores), "gpu" (scaled up).
@@ -68,7 +94,7 @@ class TinyLMConfig:
     mlp_hidden: int | None = None     # None: 8/3 · width rounded up to a multiple of 8
     max_seq_len: int = 128
     placement: str = "pre"
-    norm: str = "rms"                 # "rms" (RMSNorm) or "layer" (LayerNorm with bias)
+    norm: str = "rms"                 # "rms" (RMSNorm), "layer" (LayerNorm with bias), "dyt"
     qk_norm: str = "none"             # "none", "per_head" or "per_layer"
     final_norm: bool | None = None    # None: on for pre, sandwich, post_sublayer, parallel
     eps: float = 1e-5
@@ -76,9 +102,13 @@ class TinyLMConfig:
     init_std: float = 0.02
     scaled_residual_init: bool = False  # True: residual projections std / √(2·depth) (nanoGPT)
     backend: str = "auto"             # normtools backend of every norm: "auto", "torch", "triton"
+    attn_softcap: float | None = None  # c: softmax of c·tanh(s/c) (Gemma 2: 50); None: no cap
+    post_ln_fraction: float = 0.25    # mix_ln: the first ⌊fraction · depth⌋ layers are post
+    dyt_alpha: float = 0.5            # norm="dyt": initial α of tanh(α·x)
+    ngpt_alpha: float = 0.05          # ngpt: initial step sizes a_attn, a_mlp
 
     def __post_init__(self):
-        _check_choice("placement", self.placement, PLACEMENT_NAMES)
+        _check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
         _check_choice("norm", self.norm, NORM_NAMES)
         _check_choice("qk_norm", self.qk_norm, QK_NORM_SCOPES)
         if self.width % self.heads:
@@ -89,8 +119,16 @@ class TinyLMConfig:
             raise ValueError(f"heads ({self.heads}) must be a multiple of kv_heads ({self.n_kv_heads})")
         if min(self.vocab_size, self.depth, self.max_seq_len) < 1:
             raise ValueError("vocab_size, depth and max_seq_len must be positive")
+        if not 0.0 <= self.post_ln_fraction <= 1.0:
+            raise ValueError(f"post_ln_fraction must be in [0, 1], got {self.post_ln_fraction}")
+        if self.dyt_alpha <= 0 or self.ngpt_alpha <= 0:
+            raise ValueError("dyt_alpha and ngpt_alpha must be positive")
+        if self.placement == "ngpt" and self.norm != "rms":
+            raise ValueError(f"ngpt's norms are its own (SphereNorm); norm must stay 'rms', got {self.norm!r}")
         _validate.check_eps(self.eps)
         _validate.check_backend(self.backend)
+        if self.attn_softcap is not None and not self.attn_softcap > 0:
+            raise ValueError(f"attn_softcap must be positive or None, got {self.attn_softcap}")
 
     @classmethod
     def from_size(cls, size: str, **overrides) -> "TinyLMConfig":
@@ -117,8 +155,26 @@ class TinyLMConfig:
     @property
     def has_final_norm(self) -> bool:
         if self.final_norm is None:
-            return self.placement in ("pre", "sandwich", "post_sublayer", "parallel")
+            return self.placement in ("pre", "sandwich", "post_sublayer", "parallel", "mix_ln", "lns")
         return self.final_norm
+
+    @property
+    def post_ln_layers(self) -> int:
+        """Mix-LN: how many of the first layers are post (⌊post_ln_fraction · depth⌋)."""
+        return math.floor(self.post_ln_fraction * self.depth) if self.placement == "mix_ln" else 0
+
+    def layer_placement(self, layer: int) -> str:
+        """The block placement of decoder layer ``layer`` (0-based): the configured placement,
+        except in ``mix_ln``: ``post`` in its first :attr:`post_ln_layers` layers, then ``pre``."""
+        if self.placement != "mix_ln":
+            return self.placement
+        return "post" if layer < self.post_ln_layers else "pre"
+
+
+def deepnorm_constants(depth: int) -> tuple[float, float]:
+    """DeepNorm's (α, β) for a decoder-only stack of ``depth`` layers (Wang et al. 2022, table
+    1): residual weight α = (2·depth)^(1/4), init gain β = (8·depth)^(−1/4)."""
+    return (2 * depth) ** 0.25, (8 * depth) ** -0.25
 
 
 def _check_choice(name, value, choices):
@@ -137,22 +193,31 @@ def block_program(placement: str, x, ops):
     ``ops.sublayer(f, v)``  the attention (f="attn") or MLP (f="mlp") sublayer applied to v
     ``ops.add(*terms)``     the sum of the terms (a residual connection)
     ``ops.assign(v)``       the new value of the residual stream x
+    ``ops.scale(c, v)``     v times the block's constant ``c``: "alpha" (DeepNorm's α) or
+                            "depth" (LayerNorm Scaling's 1/√ℓ)
+    ``ops.step(f, x, h)``   x + a_f ⊙ (h − x), nGPT's step towards h with learned a_f
 
     Norm names: ``attn_in``/``mlp_in`` normalize a sublayer's input, ``attn_out``/``mlp_out``
     its output, ``attn_res``/``mlp_res`` the residual sum; ``in`` is the parallel block's
-    shared norm.
+    shared norm. ``placement`` is one of :data:`BLOCK_PLACEMENTS`.
     """
-    _check_choice("placement", placement, PLACEMENT_NAMES)
+    _check_choice("placement", placement, BLOCK_PLACEMENTS)
     if placement == "parallel":
         h = ops.norm("in", x)
         return ops.assign(ops.add(x, ops.sublayer("attn", h), ops.sublayer("mlp", h)))
     for f in ("attn", "mlp"):
-        h = ops.norm(f"{f}_in", x) if placement in ("pre", "sandwich") else x
+        if placement == "ngpt":
+            h = ops.norm(f"{f}_out", ops.sublayer(f, x))
+            x = ops.assign(ops.norm(f"{f}_res", ops.step(f, x, h)))
+            continue
+        h = ops.norm(f"{f}_in", x) if placement in ("pre", "sandwich", "lns") else x
+        if placement == "lns":
+            h = ops.scale("depth", h)
         h = ops.sublayer(f, h)
         if placement in ("sandwich", "post_sublayer"):
             h = ops.norm(f"{f}_out", h)
-        x = ops.add(x, h)
-        if placement == "post":
+        x = ops.add(ops.scale("alpha", x) if placement == "deepnorm" else x, h)
+        if placement in ("post", "deepnorm"):
             x = ops.norm(f"{f}_res", x)
         x = ops.assign(x)
     return x
@@ -184,16 +249,42 @@ class _EquationOps:
         self.lines.append(rf"x &\leftarrow {v}" if self.fmt == "latex" else f"x = {v}")
         return "x"
 
+    def scale(self, c, v):
+        if self.fmt == "latex":
+            return {"alpha": rf"\alpha\, {v}", "depth": rf"\tfrac{{1}}{{\sqrt{{\ell}}}}\, {v}"}[c]
+        return {"alpha": f"α·{v}", "depth": f"{v}/√ℓ"}[c]
 
-def block_equation(config: TinyLMConfig, fmt: str = "text") -> str:
+    def step(self, f, x, h):
+        if self.fmt == "latex":
+            return rf"{x} + a_{{\mathrm{{{f}}}}} \odot \left({h} - {x}\right)"
+        return f"{x} + a_{f} ⊙ ({h} − {x})"
+
+
+def _program_lines(placement: str, fmt: str) -> list[str]:
+    ops = _EquationOps(fmt)
+    block_program(placement, "x", ops)
+    return ops.lines
+
+
+def block_equation(config: TinyLMConfig, fmt: str = "text", layer: int | None = None) -> str:
     """The block equation of ``config.placement``, from the same :func:`block_program` that
     the forward pass runs. ``fmt="text"`` gives one assignment per line; ``fmt="latex"`` an
-    ``aligned`` environment. N is ``config.norm`` (RMSNorm or LayerNorm)."""
-    ops = _EquationOps(fmt)
-    block_program(config.placement, "x", ops)
+    ``aligned`` environment. N is ``config.norm`` (RMSNorm, LayerNorm or DyT).
+
+    ``mix_ln``'s layers differ: ``layer`` picks one; without it both forms are given, each
+    after a line naming its layers (``layers 0-0 (post):``)."""
+    if config.placement == "mix_ln" and layer is None:
+        n_post, parts = config.post_ln_layers, []
+        for placement, first, last in (("post", 0, n_post - 1), ("pre", n_post, config.depth - 1)):
+            if first <= last:
+                head = f"layers {first}-{last} ({placement})"
+                parts.append(rf"&\text{{{head}:}}" if fmt == "latex" else f"{head}:")
+                parts += _program_lines(placement, fmt)
+    else:
+        parts = _program_lines(config.layer_placement(layer or 0), fmt)
     if fmt == "latex":
-        return r"\begin{aligned}" + r" \\ ".join(ops.lines) + r"\end{aligned}"
-    return "\n".join(ops.lines)
+        return r"\begin{aligned}" + r" \\ ".join(parts) + r"\end{aligned}"
+    return "\n".join(parts)
 
 
 def norm_names(placement: str) -> list[str]:
@@ -207,8 +298,43 @@ def norm_names(placement: str) -> list[str]:
 # Modules
 
 
+class DyT(nn.Module):
+    """Dynamic Tanh (Zhu et al. 2025), a norm-free replacement of a norm layer, elementwise:
+
+        DyT(x) = w ⊙ tanh(α · x) + b,   α one learned scalar (init ``alpha``), w = 1, b = 0.
+    """
+
+    def __init__(self, width: int, alpha: float = 0.5):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.tensor(float(alpha)))
+        self.weight = nn.Parameter(torch.ones(width))
+        self.bias = nn.Parameter(torch.zeros(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.weight * torch.tanh(self.alpha * x) + self.bias
+
+
+class SphereNorm(nn.Module):
+    """nGPT's normalization, S(v) = √d · v / ‖v‖ over the last dim (d features): the row on the
+    sphere of radius √d, i.e. an RMSNorm without weight, v · rsqrt(mean(v²) + eps). eps is
+    tiny (nGPT divides by ‖v‖ alone): an eps near mean(v²) would leave small rows off the
+    sphere, and a sublayer's output at initialization has mean(v²) of order 1e-4."""
+
+    def __init__(self, eps: float = 1e-12, backend: str = "auto"):
+        super().__init__()
+        self.eps, self.backend = eps, backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, None, self.eps, backend=self.backend)
+
+
 def make_norm(config: TinyLMConfig) -> nn.Module:
-    """The configured normtools norm (RMSNorm, or LayerNorm with bias) over the model width."""
+    """The configured norm over the model width: normtools RMSNorm, LayerNorm with bias, or
+    :class:`DyT` (``norm="dyt"``); :class:`SphereNorm` in every ``ngpt`` block."""
+    if config.placement == "ngpt":
+        return SphereNorm(backend=config.backend)
+    if config.norm == "dyt":
+        return DyT(config.width, config.dyt_alpha)
     if config.norm == "rms":
         norm = RMSNorm(config.width, config.eps)
     else:
@@ -248,6 +374,7 @@ class CausalSelfAttention(nn.Module):
         self.k_proj = nn.Linear(config.width, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(config.width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.width, bias=False)
+        self.softcap = config.attn_softcap
         self.qk_norm = None
         if config.qk_norm != "none":
             self.qk_norm = QKNorm(self.head_dim, self.heads, self.kv_heads, scope=config.qk_norm,
@@ -274,6 +401,8 @@ class CausalSelfAttention(nn.Module):
         logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
         if self.keep_logits:
             self.logits = logits.detach()
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
         probs = torch.softmax(logits.masked_fill(~causal_mask(T, x.device), float("-inf")).float(), dim=-1)
         y = probs.to(v.dtype) @ v                                      # (B, H, T, d)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, self.heads * self.head_dim))
@@ -293,14 +422,23 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer: ``self_attn``, ``mlp`` and the norms its placement names."""
+    """One decoder layer: ``self_attn``, ``mlp`` and the norms its placement names.
 
-    def __init__(self, config: TinyLMConfig):
+    ``layer`` (0-based) sets the placement of a ``mix_ln`` layer and LayerNorm Scaling's
+    ``scales["depth"]`` = 1/√(layer + 1); ``scales["alpha"]`` is DeepNorm's α; an ``ngpt``
+    block has its step sizes in ``rates`` ("attn", "mlp")."""
+
+    def __init__(self, config: TinyLMConfig, layer: int = 0):
         super().__init__()
-        self.placement = config.placement
+        self.placement = config.layer_placement(layer)
         self.self_attn = CausalSelfAttention(config)
         self.mlp = SwiGLU(config)
-        self.norms = nn.ModuleDict({name: make_norm(config) for name in norm_names(config.placement)})
+        self.norms = nn.ModuleDict({name: make_norm(config) for name in norm_names(self.placement)})
+        self.scales = {"alpha": deepnorm_constants(config.depth)[0], "depth": 1 / math.sqrt(layer + 1)}
+        self.rates = nn.ParameterDict()
+        if self.placement == "ngpt":
+            self.rates.update({f: nn.Parameter(torch.full((config.width,), config.ngpt_alpha))
+                               for f in ("attn", "mlp")})
 
     def norm(self, name, v):
         return self.norms[name](v)
@@ -313,6 +451,12 @@ class Block(nn.Module):
 
     def assign(self, v):
         return v
+
+    def scale(self, c, v):
+        return self.scales[c] * v
+
+    def step(self, f, x, h):
+        return x + self.rates[f] * (h - x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_program(self.placement, x, self)
@@ -330,19 +474,24 @@ class TinyLM(nn.Module):
         config = (config or TinyLMConfig()).replace(**overrides)
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.width)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.depth))
+        # nGPT puts the embedding output on the sphere too; every other placement leaves it
+        self.embed_norm = SphereNorm(backend=config.backend) if config.placement == "ngpt" else nn.Identity()
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.depth))
         self.final_norm = make_norm(config) if config.has_final_norm else nn.Identity()
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self):
-        """GPT-2 init: N(0, std²) weights; residual projections std/√(2·depth) if scaled."""
+        """GPT-2 init: N(0, std²) weights; residual projections std/√(2·depth) if scaled;
+        ``deepnorm``: v_proj, o_proj and the MLP's projections std·β (:func:`deepnorm_constants`)."""
         std = self.config.init_std
         residual_std = std / math.sqrt(2 * self.config.depth) if self.config.scaled_residual_init else std
+        beta = deepnorm_constants(self.config.depth)[1] if self.config.placement == "deepnorm" else 1.0
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual = name.endswith(("o_proj", "down_proj"))
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                gain = beta if name.endswith(("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=gain * (residual_std if is_residual else std))
 
     def block_equation(self, fmt: str = "text") -> str:
         """The equation of one block, as :func:`block_equation` prints it for this config."""
@@ -354,7 +503,7 @@ class TinyLM(nn.Module):
             raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
         if idx.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
-        x = self.embed(idx)
+        x = self.embed_norm(self.embed(idx))
         for block in self.layers:
             x = block(x)
         logits = self.lm_head(self.final_norm(x))
@@ -365,9 +514,10 @@ class TinyLM(nn.Module):
 
 
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
-    """Switch every normtools norm of ``model`` (RMSNorm, LayerNorm, QKNorm) to ``backend``."""
+    """Switch every normtools norm of ``model`` (RMSNorm, LayerNorm, QKNorm, SphereNorm) to
+    ``backend``."""
     _validate.check_backend(backend)
-    norm_types = (RMSNorm, LayerNorm, QKNorm)
+    norm_types = (RMSNorm, LayerNorm, QKNorm, SphereNorm)
     for module in model.modules():
         if isinstance(module, norm_types):
             module.backend = backend
