@@ -1,0 +1,154 @@
+"""The book's prose: no number typed by hand, and every cross-reference names what its target holds.
+
+Numbers in the text come from cells (``{glue:text}``); a digit left in a markdown cell or page is
+a number typed by hand, unless it is one of the allowed kinds below: a year, a chapter, section,
+figure or step number, a citation, math, code, a label, a model or dtype name ("OLMo 2",
+"Qwen3-8B", "bfloat16"), list numbering, or a direct quotation of a source. Cross-references:
+every ``{ref}`` label exists, every ``{doc}`` target exists, and each glossary entry's chapter
+mentions the term.
+"""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BOOK = ROOT / "book"
+
+# Multi-word model names whose number is part of the name (one-word names such as Qwen3-8B,
+# GPT-2 or bfloat16 are letters with digits attached, allowed by the last pattern below).
+MODEL_NAMES = ("OLMo 2", "Llama 3", "Llama 2", "Gemma 2 and 3", "Gemma 2", "Gemma 3", "Phi 2",
+               "Command R", "Command A", "Qwen 3", "Triton 3")
+
+_REMOVED = [
+    re.compile(r"```[^\n]*\n.*?```", re.S),                 # fenced blocks: code, mermaid, directives
+    re.compile(r"\$\$.*?\$\$", re.S),                       # display math
+    re.compile(r"\\begin\{(\w+\*?)\}.*?\\end\{\1\}", re.S),  # amsmath environments
+    re.compile(r"(?<!\\)\$[^$\n]+(?<!\\)\$"),               # inline math
+    re.compile(r"\{[\w:-]+\}`[^`]*`"),                      # MyST roles: glue, cite, doc, ref, term
+    re.compile(r"``[^`]+``|`[^`\n]+`"),                     # inline code
+    re.compile(r"^\(([\w-]+)\)=\s*$", re.M),                # labels
+    re.compile(r"\]\([^)]*\)"),                             # link targets
+    re.compile(r"<[^>\n]+>"),                               # HTML tags
+    re.compile(r"“[^”]*”|\"[^\"\n]*\""),                    # direct quotations of a source
+    re.compile(r"^#+\s+\d+[a-z]?\.", re.M),                 # chapter numbers in titles
+    re.compile(r"^\s*\d+\.\s", re.M),                       # numbered lists
+    re.compile(r"\b(?:1[89]|20)\d\d[a-z]?\b"),              # years
+    re.compile(r"(?i)\b(?:chapters?|sections?|§|figures?|fig\.|tables?|steps?|eq\.|equations?|"
+               r"items?|issues?|appendix)\s*\d+[a-z]?(?:\.\d+)*(?:\s*(?:and|to|,)\s*\d+[a-z]?)*"),
+    re.compile(r"§\s*\d+(?:\.\d+)*"),
+    re.compile(r"\b[A-Za-z][\w.]*[-‑]?\d[\w.-]*"),  # names with digits attached: M2, L6-v2, fp16
+]
+
+
+def prose_sources():
+    """(file name, cell index or None, markdown text) for every markdown cell and page."""
+    for path in sorted(BOOK.glob("*.ipynb")):
+        nb = nbformat.read(path, as_version=4)
+        for i, cell in enumerate(nb.cells):
+            if cell.cell_type == "markdown":
+                yield path.name, i, cell.source
+    for path in sorted(BOOK.glob("*.md")):
+        yield path.name, None, path.read_text()
+
+
+def typed_numbers(text: str) -> list[str]:
+    """The snippets of ``text`` (with context) that hold a digit outside the allowed kinds."""
+    for name in sorted(MODEL_NAMES, key=len, reverse=True):
+        text = text.replace(name, " ")
+    for pattern in _REMOVED:
+        text = pattern.sub(" ", text)
+    return [text[max(0, m.start() - 30):m.end() + 30].replace("\n", " ").strip()
+            for m in re.finditer(r"\d+(?:[.,]\d+)*", text)]
+
+
+def test_typed_numbers_detects_and_allows():
+    assert typed_numbers("the 230-billion-parameter model") != []
+    assert typed_numbers("outputs off by up to 4.54 on rows") != []
+    assert typed_numbers("needs several seeds (3 of them)") != []
+    assert typed_numbers("eps 1e-6 in the text") != []
+    allowed = ("OLMo 2 {cite:p}`olmo2024olmo2` (2024), Qwen3-8B and GPT-2 in bfloat16, "
+               "chapter 4a, §3.3.2, Figure 7, $2^{-8}$, {glue:text}`ch1_x`, `eps=1e-6`, "
+               "Gemma 2 and 3, MiniMax-M2, all-MiniLM-L6-v2, \"reduce the score from 0.108 to 0.069\"\n1. first step\n"
+               "(ch1-cost)=\n## Step 2: read")
+    assert typed_numbers(allowed) == []
+
+
+def test_no_number_is_typed_in_the_prose():
+    offenders = []
+    for name, cell, text in prose_sources():
+        for snippet in typed_numbers(text):
+            where = f"{name} cell {cell}" if cell is not None else name
+            offenders.append(f"{where}: ...{snippet}...")
+    assert not offenders, ("numbers typed by hand in the prose (glue them from a cell, or extend "
+                           "the allow-list in tests/test_prose.py if it is a name):\n"
+                           + "\n".join(offenders))
+
+
+# ---------------------------------------------------------------------------- cross-references
+
+def _chapter_texts():
+    texts = {}
+    for name, _, text in prose_sources():
+        texts.setdefault(Path(name).stem, []).append(text)
+    return {k: "\n".join(v) for k, v in texts.items()}
+
+
+def _labels(text):
+    return re.findall(r"^\(([\w-]+)\)=\s*$", text, re.M)
+
+
+def test_every_ref_names_a_label_that_exists_once():
+    texts = _chapter_texts()
+    defined = {}
+    for chapter, text in texts.items():
+        for label in _labels(text):
+            defined.setdefault(label, []).append(chapter)
+    duplicates = {k: v for k, v in defined.items() if len(v) > 1}
+    assert not duplicates, f"labels defined more than once: {duplicates}"
+    missing = []
+    for chapter, text in texts.items():
+        for target in re.findall(r"\{ref\}`([^`]+)`", text):
+            label = re.sub(r"^.*<(.+)>$", r"\1", target).strip()
+            if label not in defined:
+                missing.append(f"{chapter}: {{ref}}`{target}`")
+    assert not missing, "references to labels that no chapter defines:\n" + "\n".join(missing)
+
+
+def test_every_doc_link_names_an_existing_chapter():
+    texts = _chapter_texts()
+    missing = [f"{chapter}: {{doc}}`{target}`" for chapter, text in texts.items()
+               for target in re.findall(r"\{doc\}`(?:[^`<]*<)?([^`>]+)>?`", text)
+               if not any((BOOK / f"{target.strip()}{ext}").exists() for ext in (".ipynb", ".md"))]
+    assert not missing, "links to chapters that do not exist:\n" + "\n".join(missing)
+
+
+def _mentions(text: str, term: str) -> bool:
+    """Whether ``text`` mentions ``term`` (case-insensitive; hyphens, spaces and plurals alike)."""
+    words = re.split(r"[-\s]+", term.strip())
+    pattern = r"[-\s]+".join(re.escape(w) for w in words)
+    return re.search(rf"(?i)(?<![\w]){pattern}(?:s|es)?(?![\w])", text) is not None
+
+
+def test_each_glossary_entry_points_to_a_chapter_that_mentions_it():
+    """"See chapter X" must send the reader to a chapter that uses the term (its prose or code)."""
+    from normtools.book.glossary import TERMS
+
+    texts = {}
+    for path in BOOK.glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        texts[path.stem] = "\n".join(c.source for c in nb.cells)
+    for path in BOOK.glob("*.md"):
+        texts[path.stem] = path.read_text()
+    wrong = [f"{t.term!r} points to {t.chapter}, which never mentions it" for t in TERMS
+             if not _mentions(texts.get(t.chapter, ""), t.term)]
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("text, term, expected", [
+    ("the pre-norm block", "pre-norm", True), ("two pre norms", "pre-norm", True),
+    ("prenormal", "pre-norm", False), ("DyT layers", "DyT", True), ("nothing here", "nGPT", False)])
+def test_mentions(text, term, expected):
+    assert _mentions(text, term) is expected
