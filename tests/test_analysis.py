@@ -178,3 +178,70 @@ def test_tinylm_config_from_spec_builds_the_same_layout(name):
     assert len(model.layers[0].norms) == len(s.layer_norms)
     assert (model.layers[0].self_attn.qk_norm is None) == (s.qk_norm.scope == "none")
     assert block_equation(config, "latex") == analysis.block_equation_from_spec(s, "latex")
+
+
+# ------------------------------------------------------------------ published defaults of families
+
+@pytest.mark.parametrize("model_type, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm")])
+def test_family_default_config_has_the_published_qk_norm_setting(model_type, flag):
+    """The tiny configs force QK-Norm on; the family row must show the config class's default,
+    checked against the modules transformers builds from it."""
+    import transformers
+
+    default = getattr(transformers.AutoConfig.for_model(model_type), flag)
+    assert analysis.forced_flags(model_type) == {flag: (True, default)}
+    config = analysis.family_default_config(model_type)
+    assert config[flag] is default is False
+    model = cards.build_model(config)
+    qk_modules = [n for n, _ in model.named_modules() if n.endswith(("q_norm", "q_layernorm"))]
+    assert qk_modules == []
+    assert cards.from_hf_config(config).qk_norm.scope == "none"
+    forced = cards.build_model(cards.tiny_config(model_type))  # the variant does have them
+    assert any(n.endswith(("q_norm", "q_layernorm")) for n, _ in forced.named_modules())
+
+
+def test_families_without_forced_flags_are_unchanged():
+    for model_type in ("llama", "gemma2", "bert"):
+        assert analysis.forced_flags(model_type) == {}
+        assert analysis.family_default_config(model_type) == cards.tiny_config(model_type)
+
+
+# ------------------------------------------------------------------ QK-Norm footprints
+
+def test_statistic_footprint_per_head_and_per_layer():
+    per_head = analysis.statistic_footprint("per_head", 3, 4, 8, at=(1, 2, 5))
+    expected = torch.zeros(3, 4, 8, dtype=torch.bool)
+    expected[1, 2, :] = True
+    assert torch.equal(per_head, expected)
+    per_layer = analysis.statistic_footprint("per_layer", 3, 4, 8, at=(2, 0, 0))
+    expected = torch.zeros(3, 4, 8, dtype=torch.bool)
+    expected[2] = True
+    assert torch.equal(per_layer, expected)
+
+
+# ------------------------------------------------------------------ residual growth
+
+def test_growth_exponent_recovers_known_powers():
+    depths = [2, 4, 8, 16]
+    assert analysis.growth_exponent(depths, [d for d in depths]) == pytest.approx(1.0)
+    assert analysis.growth_exponent(depths, [3 * d**0.5 for d in depths]) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="two different depths"):
+        analysis.growth_exponent([4, 4], [1.0, 2.0])
+
+
+def test_residual_growth_reads_the_stream_after_the_last_block():
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (2, 9))
+    df = analysis.residual_growth(ids, depths=(1, 3), seeds=(0,), width=32, heads=2, max_seq_len=8)
+    assert list(df["depth"]) == [1, 3]
+    # independent computation: the model's own hidden state after the last block
+    for row in df.itertuples():
+        torch.manual_seed(row.seed)
+        model = TinyLM(placement="pre", depth=row.depth, width=32, heads=2, max_seq_len=8)
+        captured = {}
+        handle = model.layers[-1].register_forward_hook(lambda m, i, o: captured.setdefault("x", o))
+        with torch.no_grad():
+            model(ids[:, :-1])
+        handle.remove()
+        out = captured["x"][0] if isinstance(captured["x"], tuple) else captured["x"]
+        assert row.residual_rms_last == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)

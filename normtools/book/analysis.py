@@ -19,7 +19,16 @@
   :func:`block_equation_from_spec`, :func:`norm_legend`): a ``ModelNormSpec`` is turned into the
   TinyLM configuration with the same placement, and TinyLM's own equation printer renders it.
 * :func:`tiny_hf_model`: a randomly initialized transformers model of a supported family, built
-  from ``normtools.cards.tiny_config`` (nothing is downloaded).
+  from ``normtools.cards.tiny_config`` (nothing is downloaded). :func:`forced_flags` lists the
+  boolean switches that a tiny config sets against the family's published default (e.g. Phi's
+  ``qk_layernorm``), and :func:`family_default_config` resets them to that default, read from
+  the transformers config class.
+* QK-Norm scopes (:func:`statistic_footprint`, :func:`draw_statistic_footprint`): which
+  elements of a (T, H, d) projection feed the statistic of one element, read from the gradient
+  of ``normtools.qk_norm``, and a drawing of that region.
+* Residual growth with depth (:func:`residual_growth`, :func:`growth_exponent`): the RMS of the
+  residual stream after the last block of a freshly initialized TinyLM, over depths and seeds,
+  and the exponent a of RMS ∝ depth^a fitted in log-log (a = 1 linear growth, a = 1/2 √depth).
 """
 
 from __future__ import annotations
@@ -35,6 +44,8 @@ __all__ = [
     "count_flops", "tensor_bytes", "row_costs",
     "random_amplifiers", "signal_through_stages",
     "tinylm_config_from_spec", "block_equation_from_spec", "norm_legend", "tiny_hf_model",
+    "forced_flags", "family_default_config",
+    "statistic_footprint", "draw_statistic_footprint", "residual_growth", "growth_exponent",
 ]
 
 
@@ -266,3 +277,99 @@ def tiny_hf_model(model_type: str, **overrides) -> nn.Module:
     from normtools.cards import build_model, tiny_config
 
     return build_model(tiny_config(model_type, **overrides)).eval()
+
+
+def forced_flags(model_type: str) -> dict[str, tuple[bool, bool]]:
+    """{flag: (value in ``cards.tiny_config``, the config class's default)} for every boolean
+    setting of the tiny config that differs from the family's published default."""
+    from transformers import AutoConfig
+
+    from normtools.cards import tiny_config
+
+    config = tiny_config(model_type)
+    default = AutoConfig.for_model(config["model_type"])
+    return {k: (v, getattr(default, k)) for k, v in config.items()
+            if isinstance(v, bool) and hasattr(default, k) and getattr(default, k) != v}
+
+
+def family_default_config(model_type: str) -> dict:
+    """``cards.tiny_config(model_type)`` with every :func:`forced_flags` switch back at the
+    default of the family's transformers config class (the published architecture)."""
+    from normtools.cards import tiny_config
+
+    return tiny_config(model_type, **{k: default for k, (_, default) in forced_flags(model_type).items()})
+
+
+# ----------------------------------------------------------------------------------------------
+# QK-Norm scopes
+
+
+def statistic_footprint(scope: str, tokens: int, heads: int, head_dim: int, at=(0, 0, 0)) -> torch.Tensor:
+    """Bool (tokens, heads, head_dim): the elements of q whose value changes the output of
+    ``normtools.qk_norm`` at element ``at`` = (token, head, feature), i.e. the features that one
+    statistic covers under ``scope``. Read from the gradient of that one output (reference
+    backend, float32 random q); the element itself is included."""
+    from normtools.core.qk import qk_norm
+
+    q = torch.randn(tokens, heads, head_dim, requires_grad=True)
+    k = torch.randn(tokens, head_dim)  # one key head: its weight has head_dim entries either way
+    q_width = head_dim if scope == "per_head" else heads * head_dim
+    q_out, _ = qk_norm(q.flatten(-2), k, torch.ones(q_width), torch.ones(head_dim), 1e-6,
+                       head_dim=head_dim, scope=scope, backend="torch")
+    (grad,) = torch.autograd.grad(q_out.view(tokens, heads, head_dim)[at], q)
+    footprint = grad != 0
+    footprint[at] = True
+    return footprint
+
+
+def draw_statistic_footprint(ax, footprint: torch.Tensor, title: str) -> None:
+    """Draw a (T, H, d) footprint as T rows of H·d cells, heads separated by thick lines, the
+    covered cells shaded."""
+    tokens, heads, head_dim = footprint.shape
+    ax.imshow(footprint.reshape(tokens, heads * head_dim).float().numpy(), cmap="Blues", vmin=-0.3,
+              vmax=1.2, aspect="equal", interpolation="nearest")
+    ax.set_xticks([h * head_dim + (head_dim - 1) / 2 for h in range(heads)],
+                  [f"head {h}" for h in range(heads)])
+    ax.set_yticks(range(tokens), [f"token {t}" for t in range(tokens)])
+    ax.set_xticks([x - 0.5 for x in range(heads * head_dim + 1)], minor=True)
+    ax.set_yticks([y - 0.5 for y in range(tokens + 1)], minor=True)
+    ax.grid(which="minor", color="white", lw=0.8)
+    ax.grid(which="major", visible=False)
+    ax.tick_params(which="minor", length=0)
+    for h in range(heads + 1):
+        ax.axvline(h * head_dim - 0.5, color="black", lw=2)
+    ax.set_title(title)
+
+
+# ----------------------------------------------------------------------------------------------
+# Residual growth with depth
+
+
+def residual_growth(batch, depths, seeds=(0, 1, 2), placement: str = "pre", **config) -> "pandas.DataFrame":
+    """One row per (depth, seed): the RMS of the residual stream after the first and after the
+    last block of a freshly initialized TinyLM (``placement``, TinyLM keyword ``config``) on
+    ``batch``, from ``normtools.lab.probes.depth_profile``."""
+    import pandas as pd
+
+    from normtools.lab import probes
+    from normtools.lab.tinylm import TinyLM
+
+    rows = []
+    for depth in depths:
+        for seed in seeds:
+            torch.manual_seed(seed)
+            profile = probes.depth_profile(TinyLM(placement=placement, depth=depth, **config), batch)
+            rows.append({"depth": depth, "seed": seed, "placement": placement,
+                         "residual_rms_first": profile["residual_rms"].iloc[0],
+                         "residual_rms_last": profile["residual_rms"].iloc[-1]})
+    return pd.DataFrame(rows)
+
+
+def growth_exponent(depths, values) -> float:
+    """The least-squares slope a of log(value) against log(depth): value ∝ depth^a."""
+    x = torch.log(torch.tensor([float(v) for v in depths], dtype=torch.float64))
+    y = torch.log(torch.tensor([float(v) for v in values], dtype=torch.float64))
+    if x.numel() < 2 or x.unique().numel() < 2:
+        raise ValueError("growth_exponent needs at least two different depths")
+    x, y = x - x.mean(), y - y.mean()
+    return float((x * y).sum() / (x * x).sum())
