@@ -1,0 +1,188 @@
+"""The comparisons of chapter 7 ("Related"): each design a TinyLM option, over several seeds.
+
+A *design* is a label and the :class:`normtools.lab.tinylm.TinyLMConfig` fields that make it
+(:data:`DESIGNS`). Two measurements, both repeated for every seed:
+
+* :func:`depth_profiles` — :func:`normtools.lab.probes.depth_profile` of a freshly initialized
+  deep model per design: RMS of the residual stream and gradient norm of every layer on one
+  batch; :func:`depth_summary` reduces each profile to two numbers, the growth of the residual
+  RMS over depth (last layer / first layer) and the ratio of the gradient norms of the first
+  and the last layer;
+* :func:`train_designs` — :func:`normtools.lab.experiments.run_cell` per design, learning rate
+  and seed, summarized per run by :func:`normtools.lab.experiments.summarize` (final validation
+  loss, peak attention logit, gradient-norm spike score, diverged: the criteria of chapter 4a).
+
+:func:`seed_spread` gives each design's mean, min and max of a metric over the seeds, and
+:func:`versus` compares two designs by whether their ranges over the seeds overlap.
+
+:func:`transformers_qk_norm` returns the QK-Norm modules of two models whose QK-Norm is not an
+RMSNorm with a learned scale (Llama 4, Chameleon), built by transformers from a tiny config;
+:func:`released_designs` lists what the norm cards record for every family they cover.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from normtools.cards import bundled_configs, from_hf_config, load_bundled_config, tiny_config
+from normtools.lab.experiments import run_cell, summarize
+from normtools.lab.probes import depth_profile
+from normtools.lab.tinylm import TinyLM, TinyLMConfig
+
+#: label → TinyLMConfig fields. The first two are the baselines of the seed chapters.
+DESIGNS = {
+    "Pre-LN": dict(placement="pre"),
+    "Post-LN": dict(placement="post"),
+    "DeepNorm": dict(placement="deepnorm"),
+    "Mix-LN": dict(placement="mix_ln"),
+    "LayerNorm Scaling": dict(placement="lns"),
+    "Peri-LN (sandwich)": dict(placement="sandwich"),
+    "res-post-norm": dict(placement="post_sublayer"),
+    "nGPT (simplified)": dict(placement="ngpt"),
+    "DyT (Pre-LN)": dict(placement="pre", norm="dyt"),
+}
+
+
+def _designs(names):
+    unknown = [n for n in names if n not in DESIGNS]
+    if unknown:
+        raise ValueError(f"unknown designs {unknown}; expected some of {', '.join(DESIGNS)}")
+    return {n: DESIGNS[n] for n in names}
+
+
+def depth_profiles(names, batch, seeds, base_config: TinyLMConfig) -> "pandas.DataFrame":
+    """:func:`normtools.lab.probes.depth_profile` of a TinyLM (``base_config`` with the design's
+    fields, initialized after ``torch.manual_seed(seed)``) per design and seed, on ``batch``;
+    one row per (design, seed, layer)."""
+    import pandas as pd
+
+    frames = []
+    for name, fields in _designs(names).items():
+        for seed in seeds:
+            torch.manual_seed(seed)
+            df = depth_profile(TinyLM(base_config.replace(**fields)), batch)
+            df.insert(0, "seed", seed)
+            df.insert(0, "design", name)
+            frames.append(df)
+    return pd.concat(frames, ignore_index=True)
+
+
+def depth_summary(profiles) -> "pandas.DataFrame":
+    """One row per (design, seed) of :func:`depth_profiles`:
+
+    rms_growth   residual RMS after the last layer / after the first layer
+    grad_ratio   gradient norm of the first layer / of the last layer
+    """
+    import pandas as pd
+
+    rows = []
+    for (design, seed), part in profiles.groupby(["design", "seed"], sort=False):
+        part = part.sort_values("layer")
+        first, last = part.iloc[0], part.iloc[-1]
+        rows.append({"design": design, "seed": seed,
+                     "rms_growth": last["residual_rms"] / first["residual_rms"],
+                     "grad_ratio": first["grad_norm"] / last["grad_norm"]})
+    return pd.DataFrame(rows)
+
+
+def train_designs(names, data, base_config: TinyLMConfig, lrs, seeds, *, steps: int,
+                  batch_size: int, **run_kwargs) -> "pandas.DataFrame":
+    """Train each design at each peak learning rate with each seed
+    (:func:`normtools.lab.experiments.run_cell`: same initialization of shared weights and same
+    batches per seed); one row per run, :func:`normtools.lab.experiments.summarize`'s columns
+    with ``design`` and ``seed`` in front."""
+    import pandas as pd
+
+    frames = []
+    for name, fields in _designs(names).items():
+        for lr in lrs:
+            for seed in seeds:
+                run = run_cell({**fields, "lr": lr}, data, base_config, steps=steps,
+                               batch_size=batch_size, seed=seed, **run_kwargs)
+                row = summarize([run])
+                row.insert(0, "seed", seed)
+                row.insert(0, "design", name)
+                frames.append(row)
+    return pd.concat(frames, ignore_index=True)
+
+
+def seed_spread(table, metric: str, by=("design",)) -> "pandas.DataFrame":
+    """Per group of ``by`` (in order of appearance): mean, min and max of ``metric`` over the
+    seeds, and the number of seeds."""
+    grouped = table.groupby(list(by), sort=False)[metric]
+    out = grouped.agg(["mean", "min", "max", "count"]).rename(columns={"count": "seeds"})
+    return out
+
+
+def versus(table, metric: str, a: str, b: str) -> str:
+    """"lower" or "higher" when every seed of design ``a`` has ``metric`` below (above) every
+    seed of design ``b``; "not told apart" when their ranges over the seeds overlap."""
+    values = {name: table.loc[table["design"] == name, metric] for name in (a, b)}
+    for name, v in values.items():
+        if v.empty:
+            raise ValueError(f"no rows of design {name!r}")
+    if values[a].max() < values[b].min():
+        return "lower"
+    if values[a].min() > values[b].max():
+        return "higher"
+    return "not told apart"
+
+
+# --------------------------------------------------------------------------------------------
+# Released models: QK-Norm variants in transformers' code, and what the norm cards record
+
+_TINY_QK = {
+    "llama4_text": dict(vocab_size=64, hidden_size=32, intermediate_size=48,
+                        intermediate_size_mlp=48, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=8, use_qk_norm=True, no_rope_layers=[1, 1]),
+    "chameleon": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2),
+}
+
+
+def transformers_qk_norm(model_type: str):
+    """(q_norm, k_norm, config): the QK-Norm modules of layer 0's attention as transformers
+    builds them from a tiny config (random weights, nothing downloaded).
+
+    ``"llama4_text"``: ``Llama4TextL2Norm``, one module without parameters used for q and k;
+    ``"chameleon"``: ``ChameleonLayerNorm`` over (heads, head_dim), one weight and bias per head.
+    """
+    from transformers import AutoConfig
+
+    if model_type not in _TINY_QK:
+        raise ValueError(f"unknown model_type {model_type!r}; expected one of {', '.join(_TINY_QK)}")
+    config = AutoConfig.for_model(model_type, **_TINY_QK[model_type])
+    if model_type == "llama4_text":
+        from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
+
+        attn = Llama4TextAttention(config, layer_idx=0)
+        return attn.qk_norm, attn.qk_norm, config
+    from transformers.models.chameleon.modeling_chameleon import ChameleonAttention
+
+    attn = ChameleonAttention(config, layer_idx=0)
+    return attn.q_norm, attn.k_norm, config
+
+
+#: Families the cards cover that have no bundled published config: their tiny configs.
+_TINY_FAMILIES = ("gemma2", "cohere", "phi", "deepseek_v3")
+
+
+def released_designs() -> "pandas.DataFrame":
+    """One row per model card: the six bundled published configs (``source`` "published") and a
+    tiny config of each other family the cards cover (``source`` "tiny", transformers' defaults
+    for what the tiny config leaves out): placement, QK-Norm scope, the norms outside the
+    block/final/QK pattern, and the card's notes on attention-logit soft-capping."""
+    import pandas as pd
+
+    sources = [(name, "published", load_bundled_config(name)) for name in bundled_configs()]
+    sources += [(family, "tiny", tiny_config(family)) for family in _TINY_FAMILIES]
+    rows = []
+    for name, source, config in sources:
+        card = from_hf_config(config)
+        rows.append({
+            "model": name, "source": source, "model_type": card.model_type,
+            "placement": card.placement, "qk_norm": card.qk_norm.scope,
+            "other_norms": ", ".join(o.name for o in card.other_norms) or "-",
+            "softcapping": "; ".join(n for n in card.notes if "softcapping" in n) or "-",
+        })
+    return pd.DataFrame(rows)

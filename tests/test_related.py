@@ -1,0 +1,141 @@
+"""Chapter 7's comparisons (normtools.lab.related) and the QK-Norm variants it reads from
+transformers: each against an independent computation (float64 equations, transformers' own
+modules and configs, hand-made tables)."""
+
+import inspect
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import normtools
+from normtools.lab import related
+from normtools.lab.data import load_corpus
+from normtools.lab.tinylm import DyT, TinyLM, TinyLMConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_every_design_builds_the_model_it_names():
+    expected = {"Pre-LN": ("pre", "rms"), "Post-LN": ("post", "rms"), "DeepNorm": ("deepnorm", "rms"),
+                "Mix-LN": ("mix_ln", "rms"), "LayerNorm Scaling": ("lns", "rms"),
+                "Peri-LN (sandwich)": ("sandwich", "rms"), "res-post-norm": ("post_sublayer", "rms"),
+                "nGPT (simplified)": ("ngpt", "rms"), "DyT (Pre-LN)": ("pre", "dyt")}
+    assert set(related.DESIGNS) == set(expected)
+    for name, fields in related.DESIGNS.items():
+        model = TinyLM(TinyLMConfig.from_size("test", **fields))
+        assert (model.config.placement, model.config.norm) == expected[name]
+    dyt = TinyLM(TinyLMConfig.from_size("test", **related.DESIGNS["DyT (Pre-LN)"]))
+    assert isinstance(dyt.final_norm, DyT)
+    with pytest.raises(ValueError, match="unknown designs"):
+        related.depth_profiles(["Pre-LN", "BatchNorm"], None, [0], TinyLMConfig())
+
+
+def test_depth_summary_is_last_over_first_rms_and_first_over_last_grad():
+    profiles = pd.DataFrame({
+        "design": ["A"] * 3 + ["B"] * 2, "seed": [0] * 5, "layer": [2, 0, 1, 0, 1],
+        "residual_rms": [4.0, 1.0, 2.0, 3.0, 1.5], "grad_norm": [2.0, 6.0, 3.0, 1.0, 4.0],
+    })
+    got = related.depth_summary(profiles).set_index("design")
+    assert got.loc["A", "rms_growth"] == pytest.approx(4.0)
+    assert got.loc["A", "grad_ratio"] == pytest.approx(3.0)
+    assert got.loc["B", "rms_growth"] == pytest.approx(0.5)
+    assert got.loc["B", "grad_ratio"] == pytest.approx(0.25)
+
+
+def test_depth_profiles_one_row_per_design_seed_and_layer():
+    config = TinyLMConfig.from_size("test", depth=3, backend="torch")
+    batch = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    df = related.depth_profiles(["Pre-LN", "Post-LN"], batch, [0, 1], config)
+    assert len(df) == 2 * 2 * 3
+    assert df.groupby(["design", "seed"]).size().eq(3).all()
+    # the seed sets the initialization: the same design and seed gives the same profile
+    again = related.depth_profiles(["Post-LN"], batch, [1], config)
+    mine = df[(df["design"] == "Post-LN") & (df["seed"] == 1)].reset_index(drop=True)
+    np.testing.assert_allclose(again["residual_rms"], mine["residual_rms"], rtol=1e-6)
+    assert not np.allclose(df.loc[df["seed"] == 0, "residual_rms"], df.loc[df["seed"] == 1, "residual_rms"])
+
+
+def test_seed_spread_and_versus():
+    table = pd.DataFrame({"design": ["A", "A", "A", "B", "B", "C", "C"],
+                          "loss": [1.0, 2.0, 4.0, 5.0, 6.0, 3.0, 7.0]})
+    spread = related.seed_spread(table, "loss")
+    assert list(spread.index) == ["A", "B", "C"]
+    assert spread.loc["A", "mean"] == pytest.approx(7 / 3)
+    assert (spread.loc["A", "min"], spread.loc["A", "max"], spread.loc["A", "seeds"]) == (1.0, 4.0, 3)
+    assert related.versus(table, "loss", "A", "B") == "lower"
+    assert related.versus(table, "loss", "B", "A") == "higher"
+    assert related.versus(table, "loss", "A", "C") == "not told apart"
+    with pytest.raises(ValueError, match="no rows"):
+        related.versus(table, "loss", "A", "D")
+
+
+def test_train_designs_one_row_per_design_lr_and_seed():
+    config = TinyLMConfig.from_size("test", max_seq_len=16, backend="torch")
+    table = related.train_designs(["Pre-LN", "DyT (Pre-LN)"], load_corpus(), config, lrs=[1e-2],
+                                  seeds=[0, 1], steps=3, batch_size=2, eval_batches=1)
+    assert list(table[["design", "seed"]].itertuples(index=False, name=None)) == [
+        ("Pre-LN", 0), ("Pre-LN", 1), ("DyT (Pre-LN)", 0), ("DyT (Pre-LN)", 1)]
+    assert {"final_loss", "logit_max_peak", "grad_norm_spike_score", "diverged"} <= set(table.columns)
+    assert np.isfinite(table["final_loss"]).all()
+
+
+def d64(t):
+    return t.detach().to(torch.float64)
+
+
+def test_llama4_qk_norm_is_a_weightless_rms_norm_after_rope():
+    """Llama4TextL2Norm: x · rsqrt(mean(x²) + eps) over head_dim, no parameters — an RMSNorm
+    without scale (so √d times x/‖x‖₂ up to eps, not x/‖x‖₂), applied after RoPE."""
+    q_norm, k_norm, config = related.transformers_qk_norm("llama4_text")
+    assert q_norm is k_norm and not list(q_norm.parameters())
+    x = torch.randn(3, 5, config.num_attention_heads, config.head_dim, generator=torch.Generator().manual_seed(0))
+    want = d64(x) / torch.sqrt(d64(x).pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+    torch.testing.assert_close(d64(q_norm(x)), want, rtol=1e-6, atol=1e-6)
+    unit = d64(x) / torch.linalg.vector_norm(d64(x), dim=-1, keepdim=True)
+    torch.testing.assert_close(want, unit * math.sqrt(config.head_dim), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(want, unit, rtol=0.1)
+    torch.testing.assert_close(normtools.rms_norm(x, None, config.rms_norm_eps, backend="torch"), q_norm(x))
+    from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
+
+    source = inspect.getsource(Llama4TextAttention.forward)
+    assert source.index("apply_rotary_emb(") < source.index("self.qk_norm(query_states)")
+
+
+def test_chameleon_qk_norm_is_a_layer_norm_per_head_with_per_head_weights_before_rope():
+    q_norm, k_norm, config = related.transformers_qk_norm("chameleon")
+    heads, head_dim = config.num_attention_heads, config.hidden_size // config.num_attention_heads
+    assert q_norm.weight.shape == q_norm.bias.shape == (heads, head_dim)
+    assert k_norm.weight.shape == (config.num_key_value_heads, head_dim)
+    with torch.no_grad():
+        q_norm.weight.normal_(1.0, 0.3, generator=torch.Generator().manual_seed(1))
+        q_norm.bias.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(7, heads, head_dim, generator=torch.Generator().manual_seed(0)) + 0.5
+    xd = d64(x)
+    mean = xd.mean(-1, keepdim=True)
+    var = ((xd - mean) ** 2).mean(-1, keepdim=True)
+    want = (xd - mean) / torch.sqrt(var + 1e-5) * d64(q_norm.weight) + d64(q_norm.bias)
+    torch.testing.assert_close(d64(q_norm(x)), want, rtol=1e-5, atol=1e-5)
+    from transformers.models.chameleon.modeling_chameleon import ChameleonAttention
+
+    source = inspect.getsource(ChameleonAttention.forward)
+    assert source.index("self.q_norm(") < source.index("apply_rotary_pos_emb(")
+
+
+def test_released_designs_match_transformers():
+    from transformers import AutoConfig
+
+    table = related.released_designs().set_index("model")
+    assert (table.loc["gemma-3-4b", "placement"], table.loc["gemma-3-4b", "qk_norm"]) == ("sandwich", "per_head")
+    assert (table.loc["olmo-2-1124-7b", "placement"], table.loc["olmo-2-1124-7b", "qk_norm"]) == (
+        "post_sublayer", "per_layer")
+    gemma2 = AutoConfig.for_model("gemma2")
+    assert f"attn_logit_softcapping = {gemma2.attn_logit_softcapping}" in table.loc["gemma2", "softcapping"]
+    assert table.loc["gemma-3-4b", "softcapping"] == "-"
+    model = normtools.cards.build_model(normtools.cards.tiny_config("deepseek_v3"))
+    latent = sorted({name.split("layers.0.")[1] for name, _ in model.named_modules()
+                     if name.startswith("model.layers.0.") and name.endswith("a_layernorm")})
+    assert set(table.loc["deepseek_v3", "other_norms"].split(", ")) == set(latent) == {
+        "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"}
