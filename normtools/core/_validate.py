@@ -59,20 +59,33 @@ def check_param(param, x, name):
                         f"({x.dtype})")
 
 
+def _is_real(value):
+    """A Python real number (not a bool), or the symbolic float / int that torch.compile passes
+    for one once it has seen two different values."""
+    if isinstance(value, (torch.SymFloat, torch.SymInt)):
+        return True
+    return not isinstance(value, bool) and isinstance(value, numbers.Real)
+
+
 def check_eps(eps):
-    """eps must be a finite real number > 0."""
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    """eps must be a finite real number > 0.
+
+    Written with comparisons only (a NaN fails both), so that it also holds for the symbolic
+    float of a traced eps: ``torch.compile(fullgraph=True)`` guards on it instead of breaking
+    the graph (``math.isfinite`` cannot take a symbolic float)."""
+    if not _is_real(eps):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not math.isfinite(eps) or eps <= 0:
-        raise ValueError(f"eps must be finite and > 0, got {eps}")
+    if not 0 < eps < math.inf:
+        raise ValueError(f"eps must be finite and > 0, got {float(eps)}")
 
 
 def check_offset(offset):
-    """offset (added to the weight in float32) must be a finite real number."""
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Real):
+    """offset (added to the weight in float32) must be a finite real number (comparisons only,
+    as in ``check_eps``)."""
+    if not _is_real(offset):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
-    if not math.isfinite(offset):
-        raise ValueError(f"offset must be finite, got {offset}")
+    if not -math.inf < offset < math.inf:
+        raise ValueError(f"offset must be finite, got {float(offset)}")
 
 
 def check_casting(casting):
