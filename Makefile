@@ -9,6 +9,8 @@ VPY         := $(VENV)/bin/python
 STAMP       := $(VENV)/.normbook-installed
 CHAPTERS    := $(sort $(wildcard book/*.ipynb))
 BUILD_SRC   := _build/src
+# Each chapter's wall and CPU seconds, written by every execution, read by the time-budget test.
+CHAPTER_TIMES := _build/chapter_times.json
 CELL_TIMEOUT ?= 600
 # The locked environment (exact versions, `make lock` regenerates it); LOCK= installs from
 # pyproject.toml's ranges instead.
@@ -25,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: all setup lock book execute html test unit nbval notebooks clean
+.PHONY: all setup lock book execute html test unit nbval nbval-perturbed notebooks clean
 
 all: test book
 
@@ -62,7 +64,8 @@ execute: $(STAMP)
 	cp -r _config.yml _toc.yml book kernels bench $(BUILD_SRC)/
 	set -e; for nb in $(CHAPTERS); do \
 	  echo "executing $$nb"; \
-	  $(VPY) -m normtools.book.build execute $$nb $(BUILD_SRC)/$$nb --cell-timeout $(CELL_TIMEOUT); \
+	  $(VPY) -m normtools.book.build execute $$nb $(BUILD_SRC)/$$nb --cell-timeout $(CELL_TIMEOUT) \
+	    --times $(CHAPTER_TIMES); \
 	done
 
 html: $(STAMP)
@@ -77,14 +80,30 @@ html: $(STAMP)
 notebooks: $(STAMP)
 	set -e; for nb in $(CHAPTERS); do \
 	  echo "executing $$nb in place"; \
-	  $(VPY) -m normtools.book.build execute $$nb $$nb --cell-timeout $(CELL_TIMEOUT); \
+	  $(VPY) -m normtools.book.build execute $$nb $$nb --cell-timeout $(CELL_TIMEOUT) --times $(CHAPTER_TIMES); \
 	done
 
 # --- tests ------------------------------------------------------------------------------
+NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+  --nbval-cell-timeout $(CELL_TIMEOUT)
+
 test: $(STAMP)
-	$(VPY) -m pytest tests $(CHAPTERS) --nbval --nbval-current-env \
-	  --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout $(CELL_TIMEOUT) \
-	  -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
+	$(VPY) -m pytest tests $(CHAPTERS) $(NBVAL_ARGS) -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
+
+# nbval alone: re-execute every chapter and compare with the stored outputs (NBVAL_ENV: extra
+# environment for the run).
+NBVAL_ENV ?=
+nbval: $(STAMP)
+	$(NBVAL_ENV) $(VPY) -m pytest $(CHAPTERS) $(NBVAL_ARGS) -p no:cacheprovider $(PYTEST_ARGS)
+
+# The same stored outputs must survive another numerical path (CI runs this after `make test`):
+# ATen's scalar kernels instead of AVX2/AVX-512 ones, MKL's ISA-independent GEMM path (its
+# results differ from the AVX2/AVX-512 paths in the last bits), and one thread instead of the
+# chapters' two (another summation order in parallel reductions). Each of these changes the bits
+# of torch results here (tests/test_book_pipeline.py checks it); none pins anything.
+PERTURBED_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE NORMBOOK_THREADS=1 OMP_NUM_THREADS=1
+nbval-perturbed: $(STAMP)
+	$(MAKE) nbval NBVAL_ENV="$(PERTURBED_ENV)"
 
 unit: $(STAMP)
 	$(VPY) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)

@@ -233,3 +233,94 @@ def test_normbook_threads_overrides_the_chapter_parameter():
     forced = subprocess.run([sys.executable, "-c", code], env={**env, "NORMBOOK_THREADS": "1"},
                             capture_output=True, text=True, check=True, timeout=120).stdout.split()[-1]
     assert (default, forced) == ("2", "1")
+
+
+# ---------------------------------------------------------------------- chapter time budget
+
+CHAPTER_TIMES = ROOT / "_build" / "chapter_times.json"
+
+
+def test_execute_records_wall_and_kernel_cpu_time(tmp_path):
+    busy = "import time\nt = time.process_time()\nwhile time.process_time() - t < 1.5:\n    pass"
+    nbformat.write(_notebook([busy], outputs=[""]), tmp_path / "busy.ipynb")
+    times = tmp_path / "times.json"
+    result = _run(["-m", "normtools.book.build", "execute", "busy.ipynb", "out.ipynb", "--times",
+                   str(times)], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    record = json.loads(times.read_text())["busy.ipynb"]
+    assert 1.5 <= record["kernel_cpu_s"] <= record["wall_s"] + 1.0   # the loop's CPU time, at least
+    assert record["cpus"] == os.cpu_count() and record["load_1min"] >= 0
+    assert "busy.ipynb: executed in" in result.stdout
+
+
+def test_over_budget_judges_only_runs_on_an_unloaded_machine():
+    from normtools.book.build import over_budget
+
+    times = {"a": {"wall_s": 150.0, "load_1min": 2.1, "cpus": 2},
+             "b": {"wall_s": 150.0, "load_1min": 5.0, "cpus": 2},
+             "c": {"wall_s": 90.0, "load_1min": 1.0, "cpus": 2}}
+    assert over_budget(times, budget_s=120.0) == ({"a": 150.0}, {"b": 150.0})
+
+
+def test_every_chapter_ran_within_the_time_budget():
+    """Each chapter's default run takes <= 120 s on 2 cores, as `make book` measured it (CI runs
+    it on an otherwise idle machine; runs on a loaded machine are listed, not judged)."""
+    from normtools.book.build import CHAPTER_BUDGET_S, over_budget
+
+    if not CHAPTER_TIMES.exists():
+        pytest.skip("no _build/chapter_times.json: run `make book` first")
+    times = {chapter: record for chapter, record in json.loads(CHAPTER_TIMES.read_text()).items()
+             if chapter in {f"book/{p.name}" for p in CHAPTERS}}
+    over, not_judged = over_budget(times)
+    assert not over, f"chapters over {CHAPTER_BUDGET_S:.0f} s (wall seconds): {over}"
+    if not_judged or len(times) < len(CHAPTERS):
+        pytest.skip(f"ran on a loaded machine, not judged: {not_judged}; "
+                    f"{len(CHAPTERS) - len(times)} chapters without a timing")
+
+
+# ---------------------------------------------------------------------- CI's second nbval pass
+
+_ARITHMETIC_PROBE = """
+import hashlib, torch
+from normtools.book.notebook import setup
+setup(seed=0, threads=2)
+a, b, x = torch.randn(1024, 2048), torch.randn(2048, 512), torch.randn(4096, 4096)
+for name, value in [("matmul", a @ b), ("sum", x.sum()), ("softmax", torch.softmax(x[:64], -1))]:
+    print(name, hashlib.sha1(value.numpy().tobytes()).hexdigest())
+"""
+
+
+def _perturbed_env():
+    """The variables `make nbval-perturbed` (run by .ci/run) sets for the second nbval pass."""
+    dry_run = subprocess.run(["make", "-n", "nbval-perturbed"], cwd=ROOT, capture_output=True,
+                             text=True, check=True, timeout=60).stdout
+    (line,) = [line for line in dry_run.splitlines() if "pytest" in line and "--nbval" in line]
+    words = line.split()
+    assignments = words[:next(i for i, w in enumerate(words) if "=" not in w)]
+    return dict(word.split("=", 1) for word in assignments)
+
+
+@pytest.mark.timeout(300)
+def test_ci_second_pass_changes_the_arithmetic_without_pinning_it():
+    """Each perturbation of the second pass changes the bits of some torch result here, so a
+    chapter whose stored output rests on the last bits fails it."""
+    assert "make nbval-perturbed" in (ROOT / ".ci" / "run").read_text()
+    perturbed = _perturbed_env()
+    assert {"ATEN_CPU_CAPABILITY", "NORMBOOK_THREADS"} <= perturbed.keys()
+    base = {k: v for k, v in os.environ.items() if k not in perturbed}
+
+    def hashes(extra):
+        out = subprocess.run([sys.executable, "-c", _ARITHMETIC_PROBE], env={**base, **extra},
+                             capture_output=True, text=True, check=True, timeout=120).stdout
+        return dict(line.split() for line in out.splitlines())
+
+    reference = hashes({})
+    assert hashes({}) == reference                                  # deterministic as it stands
+    changed = {}
+    for name in ("ATEN_CPU_CAPABILITY", "MKL_CBWR", "NORMBOOK_THREADS"):
+        if name in perturbed:
+            extra = {name: perturbed[name]}
+            if name == "NORMBOOK_THREADS":
+                extra["OMP_NUM_THREADS"] = perturbed.get("OMP_NUM_THREADS", perturbed[name])
+            changed[name] = sorted(k for k, v in hashes(extra).items() if v != reference[k])
+    assert all(changed.values()), f"a perturbation changed no result: {changed}"

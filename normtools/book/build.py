@@ -12,8 +12,10 @@ Used by the Makefile (``python -m normtools.book.build execute|strip ...``):
 import argparse
 import importlib.metadata
 import json
+import os
 import platform
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -69,19 +71,62 @@ def strip_file(path: Path) -> bool:
     return False
 
 
+#: Each chapter's time budget with its default parameters on 2 CPU cores (issue 14.5).
+CHAPTER_BUDGET_S = 120.0
+
+
 def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_timeout: int = 600,
-            cwd: Path | None = None) -> None:
-    """Run ``source`` with papermill (default parameters) and write it, stripped, to ``destination``."""
+            cwd: Path | None = None, times: Path | None = None) -> dict:
+    """Run ``source`` with papermill (default parameters) and write it, stripped, to ``destination``.
+
+    Prints and returns the run's timing: wall seconds, the kernel's CPU seconds and the 1-minute
+    load average when it ended (a load above the core count means other work shared the machine,
+    so the wall time says little about the chapter). With ``times``, the record is also stored
+    in that JSON file under the chapter's path, for the time-budget test.
+    """
     import papermill
 
     destination.parent.mkdir(parents=True, exist_ok=True)
+    children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     papermill.execute_notebook(
         str(source), str(destination), kernel_name=kernel, execution_timeout=cell_timeout,
         cwd=str(cwd or source.parent), progress_bar=False, log_output=False,
     )
+    wall = time.perf_counter() - start
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     strip_file(destination)
-    print(f"{source}: executed in {time.perf_counter() - start:.0f} s")
+    record = {
+        "wall_s": round(wall, 1),
+        "kernel_cpu_s": round(children.ru_utime + children.ru_stime
+                              - children_before.ru_utime - children_before.ru_stime, 1),
+        "load_1min": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
+    }
+    print(f"{source}: executed in {wall:.0f} s (kernel CPU {record['kernel_cpu_s']:.0f} s, "
+          f"load {record['load_1min']:.1f} on {record['cpus']} cores)")
+    if times is not None:
+        table = json.loads(times.read_text()) if times.exists() else {}
+        table[source.as_posix()] = record
+        times.parent.mkdir(parents=True, exist_ok=True)
+        times.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
+    return record
+
+
+def over_budget(times: dict, budget_s: float = CHAPTER_BUDGET_S) -> tuple[dict, dict]:
+    """Split the timing records of :func:`execute` into chapters over ``budget_s`` and chapters
+    not judged: those that ran while the 1-minute load exceeded the core count by more than one
+    (other work on the machine; a chapter's own threads account for up to its thread count).
+
+    Returns ``(over, not_judged)``, each mapping a chapter to its wall seconds.
+    """
+    over, not_judged = {}, {}
+    for chapter, record in times.items():
+        if record["load_1min"] > record["cpus"] + 1:
+            not_judged[chapter] = record["wall_s"]
+        elif record["wall_s"] > budget_s:
+            over[chapter] = record["wall_s"]
+    return over, not_judged
 
 
 # The project itself is installed from the working tree, never from the lock.
@@ -126,13 +171,15 @@ def main(argv=None) -> int:
     run.add_argument("destination", type=Path)
     run.add_argument("--kernel", default="python3")
     run.add_argument("--cell-timeout", type=int, default=600)
+    run.add_argument("--times", type=Path, help="JSON file that collects each chapter's timing")
     strip = sub.add_parser("strip", help="strip volatile metadata in place")
     strip.add_argument("notebooks", nargs="+", type=Path)
     lock = sub.add_parser("lock", help="write the locked environment (name==version per package)")
     lock.add_argument("output", type=Path)
     args = parser.parse_args(argv)
     if args.command == "execute":
-        execute(args.source, args.destination, kernel=args.kernel, cell_timeout=args.cell_timeout)
+        execute(args.source, args.destination, kernel=args.kernel, cell_timeout=args.cell_timeout,
+                times=args.times)
     elif args.command == "lock":
         args.output.write_text(lock_text())
         print(f"wrote {args.output}")
