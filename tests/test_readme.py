@@ -22,3 +22,17 @@ def test_readme_python_example_runs_and_matches_gemma3():
 def test_readme_gives_the_two_commands_first():
     first_block = re.search(r"```bash\n(.*?)```", README, flags=re.S).group(1)
     assert [line.split()[:2] for line in first_block.strip().splitlines()] == [["make", "book"], ["make", "test"]]
+
+
+def test_every_make_target_the_readme_names_exists():
+    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    targets = set(re.findall(r"^([a-z][\w-]*):", makefile, flags=re.M))
+    named = set(re.findall(r"`make ([a-z][\w-]*)", README)) | set(re.findall(r"^make ([a-z][\w-]*)", README, re.M))
+    assert {"book", "test", "lock", "nbval-perturbed", "notebooks"} <= named
+    assert named <= targets, named - targets
+
+
+def test_readme_says_how_the_numbers_are_reproduced():
+    section = README.split("## Reproducing the numbers", 1)[1].split("\n## ", 1)[0]
+    for term in ("Compared", "Not compared", "constraints.txt", "make lock", "ATEN_CPU_CAPABILITY"):
+        assert term in section, term
