@@ -324,3 +324,34 @@ def test_ci_second_pass_changes_the_arithmetic_without_pinning_it():
                 extra["OMP_NUM_THREADS"] = perturbed.get("OMP_NUM_THREADS", perturbed[name])
             changed[name] = sorted(k for k, v in hashes(extra).items() if v != reference[k])
     assert all(changed.values()), f"a perturbation changed no result: {changed}"
+
+
+# ---------------------------------------------------------------------- output width
+
+MAX_OUTPUT_COLUMNS = 100
+
+
+def _text_outputs_a_reader_sees(output):
+    """The text of an output as the page shows it: streams, and text/plain where no HTML or image
+    stands in for it (a displayed DataFrame renders as an HTML table)."""
+    if output.get("output_type") == "stream":
+        return "".join(output.get("text", ""))
+    data = output.get("data", {})
+    if "text/plain" in data and not any(k == "text/html" or k.startswith("image/") for k in data):
+        return "".join(data["text/plain"])
+    return ""
+
+
+@pytest.mark.parametrize("path", CHAPTERS, ids=lambda p: p.name)
+def test_no_stored_text_output_line_is_wider_than_100_columns(path):
+    """Wide text is cut at the page's right edge: tables belong in HTML, long dumps summarised."""
+    nb = json.loads(path.read_text())
+    too_wide = []
+    for index, cell in enumerate(nb["cells"]):
+        for output in cell.get("outputs", []):
+            for line in _text_outputs_a_reader_sees(output).splitlines():
+                if len(line.expandtabs()) > MAX_OUTPUT_COLUMNS:
+                    too_wide.append(f"{path.name} cell {index} (id {cell.get('id')}): "
+                                    f"{len(line.expandtabs())} columns: {line[:60]!r}...")
+    assert not too_wide, f"{len(too_wide)} output lines wider than {MAX_OUTPUT_COLUMNS}:\n" + "\n".join(
+        too_wide[:40])
