@@ -2,38 +2,34 @@
 
 Each row x ∈ R^N of the (M, N) input is centred and scaled:
 
-    μ  = mean(x, -1)                             float32, saved
-    r  = rsqrt(mean((x − μ)², -1) + eps)         float32, saved (biased variance, as nn.LayerNorm)
-    x̂  = (x − μ) · r
-    y  = w ⊙ x̂ + b                               (w = 1, b = 0 when absent), rounded once to x.dtype
+    mean  = mean(x, -1)                                 float32, saved
+    rstd  = rsqrt(mean((x − mean)², -1) + eps)          float32, saved (biased variance)
+    x_hat = (x − mean) · rstd
+    y     = w ⊙ x_hat + b                 (w = 1, b = 0 when absent), rounded once to x.dtype
 
-Backward. With g = w ⊙ dy, and differentiating through μ and r:
+Backward. With g = w ⊙ dy, and differentiating through mean and rstd:
 
-    dx = r · (g − mean(g) − x̂ · mean(x̂ ⊙ g))
-    dw = Σ_rows dy ⊙ x̂,    db = Σ_rows dy
+    dx = rstd · (g − c1 − x_hat · c2),   c1 = mean(g),  c2 = mean(x_hat ⊙ g)
+    dw = Σ_rows dy ⊙ x_hat,    db = Σ_rows dy
 
 Layout, chunking and determinism follow kernels/rms_norm.py: rows are addressed through their
 row stride; a row that fits in BLOCK_N columns is read once (SINGLE_PASS, BLOCK_M rows per
-program), a longer row in a loop over chunks (three passes: mean, variance, output). dw and db
-are accumulated per program of the persistent backward grid into float32 partial rows
-(DW_PARTIAL, DB_PARTIAL: (programs, N)), written even by programs without rows, and summed over
-programs by the launcher. No atomics.
+program). A longer row is read in chunks: the forward reads it twice, once for the statistics
+(each chunk's mean and squared deviations, merged into the row's with Chan's formula, as
+accurate as two passes) and once for the output; the backward reads x and dy twice (c1, c2
+per row, then dx, dw and db column chunk by column chunk). Each program of the persistent
+backward grid stores its float32 partial rows of dw and db once, in PARTIAL[pid]
+((programs, slots, N): dw in slot 0, db in the next), zeros when it got no rows;
+kernels/partials.py sums them. No atomics.
+
+Traffic (A = one M × N activation): single pass forward 2A, backward 3A; chunked forward 3A,
+backward 5A (normtools.measure.kernel_traffic counts them).
 
 All arithmetic is float32: values are upcast right after tl.load and downcast before tl.store.
 """
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _param(P, cols, col_mask, default: tl.constexpr, HAS_PARAM: tl.constexpr):
-    """A chunk of a per-column parameter (weight or bias) in float32, or ``default`` if absent."""
-    if HAS_PARAM:
-        p = tl.load(P + cols, mask=col_mask, other=0.0).to(tl.float32)
-    else:
-        p = tl.full(cols.shape, default, tl.float32)
-    return p
 
 
 @triton.jit
@@ -56,74 +52,67 @@ def layer_norm_fwd(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
         mean = tl.sum(x, axis=1) / N
-        xc = tl.where(mask, x - mean[:, None], 0.0)               # padding must not count
-        r = tl.math.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+        x_c = tl.where(mask, x - mean[:, None], 0.0)            # padding must not count
+        rstd = tl.rsqrt(tl.sum(x_c * x_c, axis=1) / N + eps)
         w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
         b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
-        y = xc * r[:, None] * w[None, :] + b[None, :]
+        y = x_c * rstd[:, None] * w[None, :] + b[None, :]
         tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     else:
-        # Pass 1: mean.
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        # Pass 1: mean and sum of squared deviations. Each chunk's own (mean, M2) is exact
+        # two-pass arithmetic in registers; chunks merge with Chan's formula
+        #   M2 += M2_chunk + δ² · n·n_chunk / (n + n_chunk),   δ = mean_chunk − mean.
+        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols[None, :] < N)
-            acc += tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        mean = tl.sum(acc, axis=1) / N
-        # Pass 2: variance around the mean (two-pass, as accurate as the single-pass branch).
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols[None, :] < N)
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xc = tl.where(mask, x - mean[:, None], 0.0)
-            acc += xc * xc
-        r = tl.math.rsqrt(tl.sum(acc, axis=1) / N + eps)
-        # Pass 3: normalize and write.
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            n_seen = start * 1.0                                 # values merged so far
+            n_chunk = tl.minimum(N - start, BLOCK_N) * 1.0
+            chunk_mean = tl.sum(x, axis=1) / n_chunk
+            x_c = tl.where(mask, x - chunk_mean[:, None], 0.0)
+            delta = chunk_mean - mean
+            n_total = n_seen + n_chunk
+            mean += delta * (n_chunk / n_total)
+            m2 += tl.sum(x_c * x_c, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
+        rstd = tl.rsqrt(m2 / N + eps)
+        # Pass 2: normalize and write.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
             w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
             b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
-            y = (x - mean[:, None]) * r[:, None] * w[None, :] + b[None, :]
+            y = (x - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
             tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
     tl.store(MEAN + rows, mean, mask=row_mask)
-    tl.store(RSTD + rows, r, mask=row_mask)
-
-
-@triton.jit
-def _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x, stride_dy, N, mean, r,
-                     HAS_WEIGHT: tl.constexpr):
-    """x̂ and dy (float32) of a (BLOCK_M, BLOCK_N) chunk of a long row, the weight w of its
-    columns, and the chunk's mask: what both passes of the chunked backward read."""
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
-    x_hat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
-    return x_hat, dy, w, mask
+    tl.store(RSTD + rows, rstd, mask=row_mask)
 
 
 @triton.jit
 def layer_norm_bwd(
-    DY, X, W, MEAN, RSTD, DX, DW_PARTIAL, DB_PARTIAL,   # partials: (programs, N) float32
+    DY, X, W, MEAN, RSTD, DX, PARTIAL,      # PARTIAL: (programs, slots, N) float32
+    ROW_MEANS,                              # (2, M) float32 scratch of the chunked path: c1, c2
     stride_dy, stride_x, stride_dx,
     M, N, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):
     """Persistent program pid handles rows [pid · rows_per_program, +rows_per_program) in
-    blocks of BLOCK_M rows and writes its partial rows DW_PARTIAL[pid] and DB_PARTIAL[pid]."""
+    blocks of BLOCK_M rows and stores its partial rows of dw and db once."""
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
-    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
-    db_row = DB_PARTIAL + pid.to(tl.int64) * N
+    SLOTS: tl.constexpr = 2 if (HAS_WEIGHT and HAS_BIAS) else 1
+    dw_row = PARTIAL + pid.to(tl.int64) * (SLOTS * N)
+    db_row = dw_row + N if HAS_WEIGHT else dw_row
 
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
@@ -135,17 +124,14 @@ def layer_norm_bwd(
             rows = block_start + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            x_hat = tl.where(mask, (x - mean[:, None]) * r[:, None], 0.0)
+            x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
+                                                    col_mask, stride_x, stride_dy, "evict_first")
             g = dy * w[None, :]
             c1 = tl.sum(g, axis=1) / N                             # mean(g)
-            c2 = tl.sum(x_hat * g, axis=1) / N                     # mean(x̂ ⊙ g)
-            dx = r[:, None] * (g - c1[:, None] - x_hat * c2[:, None])
-            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+            c2 = tl.sum(x_hat * g, axis=1) / N                     # mean(x_hat ⊙ g)
+            dx = rstd[:, None] * (g - c1[:, None] - x_hat * c2[:, None])
+            tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
+                     mask=mask)
             dw_acc += dy * x_hat
             db_acc += dy
         if HAS_WEIGHT:
@@ -153,43 +139,77 @@ def layer_norm_bwd(
         if HAS_BIAS:
             tl.store(db_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
-        # Long rows: zero this program's partial rows, then for each block of rows one pass for
-        # mean(g) and mean(x̂ ⊙ g) and a second pass for dx, dw and db. The partial rows are
-        # read and written only by this program, always with the same block shape.
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            zeros = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            if HAS_WEIGHT:
-                tl.store(dw_row + cols, zeros, mask=cols < N)
-            if HAS_BIAS:
-                tl.store(db_row + cols, zeros, mask=cols < N)
+        # Long rows. Pass 1, row block by row block: c1 and c2 of each row, kept in ROW_MEANS.
+        # Pass 2, column chunk by column chunk, over all rows of this program: dx, and the
+        # chunk's dw and db accumulated in registers and stored once.
         for block_start in range(row_start, row_end, BLOCK_M):
             rows = block_start + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows = rows.to(tl.int64)
-            mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
-            r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             sum_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             sum_xg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                x_hat, dy, w, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
-                                                      stride_dy, N, mean, r, HAS_WEIGHT)
-                g = dy * w[None, :]
+                col_mask = cols < N
+                x_hat, dy, _, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
+                                                     col_mask, stride_x, stride_dy, "evict_last")
+                g = dy * _param(W, cols, col_mask, 1.0, HAS_WEIGHT)[None, :]
                 sum_g += g
                 sum_xg += x_hat * g
-            c1 = tl.sum(sum_g, axis=1) / N
-            c2 = tl.sum(sum_xg, axis=1) / N
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
-                x_hat, dy, w, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
-                                                      stride_dy, N, mean, r, HAS_WEIGHT)
-                dx = r[:, None] * (dy * w[None, :] - c1[:, None] - x_hat * c2[:, None])
-                tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-                if HAS_WEIGHT:
-                    dw = tl.load(dw_row + cols, mask=col_mask, other=0.0)
-                    tl.store(dw_row + cols, dw + tl.sum(dy * x_hat, axis=0), mask=col_mask)
-                if HAS_BIAS:
-                    db = tl.load(db_row + cols, mask=col_mask, other=0.0)
-                    tl.store(db_row + cols, db + tl.sum(dy, axis=0), mask=col_mask)
+            tl.store(ROW_MEANS + rows, tl.sum(sum_g, axis=1) / N, mask=row_mask)
+            tl.store(ROW_MEANS + M + rows, tl.sum(sum_xg, axis=1) / N, mask=row_mask)
+        tl.debug_barrier()  # ROW_MEANS is read back by other threads of this program
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
+            dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for block_start in range(row_start, row_end, BLOCK_M):
+                rows = block_start + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                rows = rows.to(tl.int64)
+                x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
+                                                        col_mask, stride_x, stride_dy,
+                                                        "evict_first")
+                c1 = tl.load(ROW_MEANS + rows, mask=row_mask, other=0.0)
+                c2 = tl.load(ROW_MEANS + M + rows, mask=row_mask, other=0.0)
+                dx = rstd[:, None] * (dy * w[None, :] - c1[:, None] - x_hat * c2[:, None])
+                tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
+                         dx.to(DX.dtype.element_ty), mask=mask)
+                dw_acc += dy * x_hat
+                db_acc += dy
+            if HAS_WEIGHT:
+                tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+            if HAS_BIAS:
+                tl.store(db_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _param(P, cols, col_mask, default: tl.constexpr, HAS_PARAM: tl.constexpr):
+    """A chunk of a per-column parameter (weight or bias) in float32, or ``default`` if absent.
+    Every program reads it: evict_last."""
+    if HAS_PARAM:
+        p = tl.load(P + cols, mask=col_mask, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+    else:
+        p = tl.full(cols.shape, default, tl.float32)
+    return p
+
+
+@triton.jit
+def _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols, col_mask, stride_x, stride_dy,
+                    EVICTION: tl.constexpr):
+    """x_hat and dy (float32) of a (BLOCK_M, BLOCK_N) tile (x_hat = 0 in masked lanes), the
+    rows' rstd, and the tile's mask."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICTION).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
+                 eviction_policy=EVICTION).to(tl.float32)
+    mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+    x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
+    return x_hat, dy, rstd, mask

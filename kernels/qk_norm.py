@@ -7,34 +7,38 @@ A *row* is the vector that one set of statistics covers:
 
 so a tensor of T tokens has H_rows = H (per_head) or 1 (per_layer) rows per token. For a row x
 
-    r    = rsqrt(mean_j x_j^2 + eps)             statistics in float32
-    xhat = x * r
-    s    = offset + w                            offset added in float32
-    y    = s * cast(xhat)                        casting "llama" (cast: round to x's dtype)
-    y    = cast(xhat * s)                        casting "gemma"
+    rstd  = rsqrt(mean_j x_j^2 + eps)            statistics in float32
+    x_hat = x * rstd
+    s     = offset + w                           offset added in float32
+    y     = s * cast(x_hat)                      casting "llama" (ROUND_XHAT: round to x's dtype)
+    y     = cast(x_hat * s)                      casting "gemma"
 
 and backward, with g = dy * s (float32):
 
-    dx   = r * (g - xhat * mean_j(g_j * xhat_j))
-    dw   = sum over the rows that share w of dy * xhat
+    dx   = rstd * (g - x_hat * mean_j(g_j * x_hat_j))
+    dw   = sum over the rows that share w of dy * x_hat
 
-Program layout. Program p of one tensor, which has H_rows head slots per token, handles ROWS
-consecutive tokens of one head slot:
+Program layout. Program p of one tensor, which has H_rows head slots per token, handles one
+head slot of a range of tokens:
 
     head slot   = p %  H_rows                    (always 0 for per_layer)
-    token block = p // H_rows
+    token group = p // H_rows
 
 so programs with neighbouring ids cover neighbouring memory (the head slots of the same
-tokens) and all rows of a program use the same weight row. The latter keeps the weight
-gradient deterministic without atomics: each backward program writes the float32 partial sum
-of dy * xhat over its rows to its own row of DW_PARTIAL, and the launcher sums those rows.
-The q programs come first and the k programs after them: one launch covers both tensors,
-forward and backward.
+tokens) and all rows of a program use the same weight row. A forward program handles ROWS
+tokens. A backward program is persistent: it loops over the ROWS-token blocks of
+``tokens_per_program`` tokens, accumulates dy * x_hat in registers and stores its float32
+partial dw row DW_PARTIAL[p] once, so the partials cost one row per program, not one per
+token block (per_layer: not one row of H * head_dim floats per token). kernels/partials.py
+sums them in a fixed order: deterministic without atomics. The q programs come first and the
+k programs after them: one launch covers both tensors, forward and backward.
 
 Addressing. Element (token t, head slot h, column j) is at  t * stride_t + h * N + j,  its
 weight at  h * w_head_stride + j  (w_head_stride = 0 when all heads share one weight row, N for
-one weight row per head). Rows that fit in BLOCK_N stay in registers; longer rows (per_layer on
-wide models) are read in BLOCK_N chunks, twice.
+one weight row per head); the inverse RMS of (h, t) at  h * T + t. Token and head offsets are
+64-bit: T * H * head_dim, and H_rows * T partial or statistics entries, may pass 2^31. Rows
+that fit in BLOCK_N stay in registers; longer rows (per_layer on wide models) are read in
+BLOCK_N chunks, twice, and the chunked backward adds each block's dw into its partial row.
 
 Under the Triton interpreter there is no bf16 arithmetic: values are upcast to float32 right
 after tl.load and cast down only right before tl.store (or to emulate the "llama" rounding).
@@ -42,61 +46,6 @@ after tl.load and cast down only right before tl.store (or to emulate the "llama
 
 import triton
 import triton.language as tl
-
-
-@triton.jit
-def _tile(pid, n_tokens, n_heads, ROWS: tl.constexpr):
-    """Head slot, the ROWS token indices and their mask for program ``pid`` of one tensor."""
-    head = pid % n_heads
-    tokens = (pid // n_heads) * ROWS + tl.arange(0, ROWS)
-    return head, tokens.to(tl.int64), tokens < n_tokens
-
-
-@triton.jit
-def _normalize(x, rstd, w, offset, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr):
-    """y (float32) = s * cast(xhat) ("llama") or xhat * s ("gemma") for a (ROWS, BLOCK) tile."""
-    xhat = x * rstd[:, None]
-    if ROUND_XHAT:
-        xhat = xhat.to(X_DTYPE).to(tl.float32)
-    return xhat * (offset + w)[None, :]
-
-
-@triton.jit
-def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, n_heads, stride_x, stride_y,
-                    w_head_stride, eps, offset,
-                    N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-                    ROUND_XHAT: tl.constexpr):
-    """Normalize the rows of one program of one tensor (q or k); store y and r."""
-    head, tokens, token_mask = _tile(pid, n_tokens, n_heads, ROWS)
-    x_rows = X + tokens[:, None] * stride_x + head * N      # (ROWS, 1) pointers to row starts
-    y_rows = Y + tokens[:, None] * stride_y + head * N
-    w_row = W + head * w_head_stride
-    cols = tl.arange(0, BLOCK_N)
-    if BLOCK_N >= N:
-        # whole row in registers: one read, one write
-        mask = token_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        w = tl.load(w_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
-        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    else:
-        # pass 1: sum of squares over the chunks; pass 2: normalize chunk by chunk
-        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = token_mask[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            sum_sq += tl.sum(x * x, axis=1)
-        rstd = tl.rsqrt(sum_sq / N + eps)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = token_mask[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(w_row + c, mask=c < N, other=0.0).to(tl.float32)
-            y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
-            tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + head * n_tokens + tokens, rstd, mask=token_mask)
 
 
 @triton.jit
@@ -123,73 +72,164 @@ def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
 
 
 @triton.jit
-def _load_grad_chunk(x_rows, dy_rows, w_row, c, token_mask, N: tl.constexpr):
-    """x, dy (float32, (ROWS, BLOCK_N)) and w (float32) of the columns ``c`` of a long row, and
-    the chunk's mask: what both passes of the chunked backward read."""
-    mask = token_mask[:, None] & (c < N)[None, :]
-    x = tl.load(x_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(dy_rows + c[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_row + c, mask=c < N, other=0.0).to(tl.float32)
-    return x, dy, w, mask
-
-
-@triton.jit
-def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_heads,
-                     stride_x, stride_dy, stride_dx, w_head_stride, offset,
-                     N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """dx for the rows of one program of one tensor, and its partial dw row (length N)."""
-    head, tokens, token_mask = _tile(pid, n_tokens, n_heads, ROWS)
-    x_rows = X + tokens[:, None] * stride_x + head * N
-    dy_rows = DY + tokens[:, None] * stride_dy + head * N
-    dx_rows = DX + tokens[:, None] * stride_dx + head * N
-    w_row = W + head * w_head_stride
-    dw_row = DW_PARTIAL + pid * N
-    rstd = tl.load(RSTD + head * n_tokens + tokens, mask=token_mask, other=0.0)
-    cols = tl.arange(0, BLOCK_N)
-    if BLOCK_N >= N:
-        mask = token_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(dy_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = tl.load(w_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        xhat = x * rstd[:, None]
-        g = dy * (offset + w)[None, :]
-        mean_g_xhat = tl.sum(g * xhat, axis=1) / N
-        dx = rstd[:, None] * (g - xhat * mean_g_xhat[:, None])
-        tl.store(dx_rows + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-        tl.store(dw_row + cols, tl.sum(dy * xhat, axis=0), mask=cols < N)
-    else:
-        # pass 1: mean(g * xhat) over the chunks; pass 2: dx and the dw partial chunk by chunk
-        sum_g_xhat = tl.zeros([ROWS], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            x, dy, w, mask = _load_grad_chunk(x_rows, dy_rows, w_row, c, token_mask, N)
-            sum_g_xhat += tl.sum(dy * (offset + w)[None, :] * x, axis=1) * rstd
-        mean_g_xhat = sum_g_xhat / N
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            x, dy, w, mask = _load_grad_chunk(x_rows, dy_rows, w_row, c, token_mask, N)
-            xhat = x * rstd[:, None]
-            g = dy * (offset + w)[None, :]
-            dx = rstd[:, None] * (g - xhat * mean_g_xhat[:, None])
-            tl.store(dx_rows + c[None, :], dx.to(DX.dtype.element_ty), mask=mask)
-            tl.store(dw_row + c, tl.sum(dy * xhat, axis=0), mask=c < N)
-
-
-@triton.jit
 def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW_PARTIAL,
-                n_tokens, q_heads, k_heads, n_q_programs,
+                n_tokens, tokens_per_program, q_heads, k_heads, n_q_programs,
                 stride_q, stride_k, stride_dqy, stride_dky, stride_dq, stride_dk,
                 qw_head_stride, kw_head_stride, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr):
-    """Backward of q and k. Same grid as the forward; DQW_PARTIAL has one float32 row of length
-    NQ per q program (DKW_PARTIAL likewise for k), summed by the launcher into the weight grads."""
+    """Backward of q and k. Grid: (q_heads + k_heads) * groups persistent programs, q first,
+    each over ``tokens_per_program`` tokens (a multiple of ROWS) of one head slot;
+    DQW_PARTIAL has one float32 row of length NQ per q program (DKW_PARTIAL likewise for k),
+    summed by the launcher into the weight grads."""
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, q_heads,
-                         stride_q, stride_dqy, stride_dq, qw_head_stride, offset,
+        _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, tokens_per_program,
+                         q_heads, stride_q, stride_dqy, stride_dq, qw_head_stride, offset,
                          NQ, ROWS, BLOCK_NQ)
     else:
         _backward_tensor(K, KW, DKY, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs, n_tokens,
-                         k_heads, stride_k, stride_dky, stride_dk, kw_head_stride,
-                         offset, NK, ROWS, BLOCK_NK)
+                         tokens_per_program, k_heads, stride_k, stride_dky, stride_dk,
+                         kw_head_stride, offset, NK, ROWS, BLOCK_NK)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, n_heads, stride_x, stride_y,
+                    w_head_stride, eps, offset,
+                    N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    ROUND_XHAT: tl.constexpr):
+    """Normalize the rows of one program of one tensor (q or k); store y and rstd."""
+    head = (pid % n_heads).to(tl.int64)
+    tokens = (pid // n_heads) * ROWS + tl.arange(0, ROWS)
+    token_mask = tokens < n_tokens
+    tokens = tokens.to(tl.int64)
+    x_rows = X + tokens[:, None] * stride_x + head * N      # (ROWS, 1) pointers to row starts
+    y_rows = Y + tokens[:, None] * stride_y + head * N
+    w_row = W + head * w_head_stride
+    cols = tl.arange(0, BLOCK_N)
+    if BLOCK_N >= N:
+        # whole row in registers: one read, one write
+        mask = token_mask[:, None] & (cols < N)[None, :]
+        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
+                    eviction_policy="evict_first").to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        w = tl.load(w_row + cols, mask=cols < N, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
+        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    else:
+        # pass 1: sum of squares over the chunks; pass 2: normalize chunk by chunk
+        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = token_mask[:, None] & (c < N)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            sum_sq += tl.sum(x * x, axis=1)
+        rstd = tl.rsqrt(sum_sq / N + eps)
+        for start in range(0, N, BLOCK_N):
+            c = start + cols
+            mask = token_mask[:, None] & (c < N)[None, :]
+            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            w = tl.load(w_row + c, mask=c < N, other=0.0,
+                        eviction_policy="evict_last").to(tl.float32)
+            y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
+            tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + head * n_tokens + tokens, rstd, mask=token_mask)
+
+
+@triton.jit
+def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, tokens_per_program,
+                     n_heads, stride_x, stride_dy, stride_dx, w_head_stride, offset,
+                     N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """dx for the tokens of one persistent program of one tensor, and its partial dw row."""
+    head = (pid % n_heads).to(tl.int64)
+    token_start = (pid // n_heads) * tokens_per_program
+    token_end = tl.minimum(token_start + tokens_per_program, n_tokens)
+    w_row = W + head * w_head_stride
+    dw_row = DW_PARTIAL + pid.to(tl.int64) * N
+    cols = tl.arange(0, BLOCK_N)
+    if BLOCK_N >= N:
+        w = tl.load(w_row + cols, mask=cols < N, other=0.0,
+                    eviction_policy="evict_last").to(tl.float32)
+        dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask, rstd = _token_block(RSTD, block_start, token_end, head,
+                                                    n_tokens, ROWS)
+            mask = token_mask[:, None] & (cols < N)[None, :]
+            x, dy = _load_grad_tile(X, DY, tokens, head, cols, mask, stride_x, stride_dy, N,
+                                    "evict_first")
+            x_hat = x * rstd[:, None]
+            g = dy * (offset + w)[None, :]
+            mean_g_xhat = tl.sum(g * x_hat, axis=1) / N
+            dx = rstd[:, None] * (g - x_hat * mean_g_xhat[:, None])
+            tl.store(DX + tokens[:, None] * stride_dx + head * N + cols[None, :],
+                     dx.to(DX.dtype.element_ty), mask=mask)
+            dw_acc += dy * x_hat
+        tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=cols < N)
+    else:
+        # per token block: pass 1 mean(g * x_hat) over the chunks; pass 2 dx chunk by chunk,
+        # each chunk's dw added into this program's partial row (zeroed first)
+        for start in range(0, N, BLOCK_N):
+            tl.store(dw_row + start + cols, tl.zeros([BLOCK_N], dtype=tl.float32),
+                     mask=start + cols < N)
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask, rstd = _token_block(RSTD, block_start, token_end, head,
+                                                    n_tokens, ROWS)
+            sum_g_xhat = tl.zeros([ROWS], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = token_mask[:, None] & (c < N)[None, :]
+                x, dy = _load_grad_tile(X, DY, tokens, head, c, mask, stride_x, stride_dy, N,
+                                        "evict_last")
+                w = tl.load(w_row + c, mask=c < N, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+                sum_g_xhat += tl.sum(dy * (offset + w)[None, :] * x, axis=1) * rstd
+            mean_g_xhat = sum_g_xhat / N
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = token_mask[:, None] & (c < N)[None, :]
+                x, dy = _load_grad_tile(X, DY, tokens, head, c, mask, stride_x, stride_dy, N,
+                                        "evict_first")
+                w = tl.load(w_row + c, mask=c < N, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+                x_hat = x * rstd[:, None]
+                dx = rstd[:, None] * (dy * (offset + w)[None, :] - x_hat * mean_g_xhat[:, None])
+                tl.store(DX + tokens[:, None] * stride_dx + head * N + c[None, :],
+                         dx.to(DX.dtype.element_ty), mask=mask)
+                tl.debug_barrier()  # the partial row is read and written by this program only
+                dw = tl.load(dw_row + c, mask=c < N, other=0.0)
+                tl.store(dw_row + c, dw + tl.sum(dy * x_hat, axis=0), mask=c < N)
+
+
+@triton.jit
+def _normalize(x, rstd, w, offset, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr):
+    """y (float32) = s * cast(x_hat) ("llama") or x_hat * s ("gemma") for a (ROWS, BLOCK) tile."""
+    x_hat = x * rstd[:, None]
+    if ROUND_XHAT:
+        x_hat = x_hat.to(X_DTYPE).to(tl.float32)
+    return x_hat * (offset + w)[None, :]
+
+
+@triton.jit
+def _token_block(RSTD, block_start, token_end, head, n_tokens, ROWS: tl.constexpr):
+    """The ROWS token indices (int64) of a block, their mask, and their saved rstd."""
+    tokens = block_start + tl.arange(0, ROWS)
+    token_mask = tokens < token_end
+    tokens = tokens.to(tl.int64)
+    rstd = tl.load(RSTD + head * n_tokens + tokens, mask=token_mask, other=0.0)
+    return tokens, token_mask, rstd
+
+
+@triton.jit
+def _load_grad_tile(X, DY, tokens, head, c, mask, stride_x, stride_dy, N: tl.constexpr,
+                    EVICTION: tl.constexpr):
+    """x and dy (float32, (ROWS, BLOCK_N)) of the columns ``c`` of one head slot's rows."""
+    x = tl.load(X + tokens[:, None] * stride_x + head * N + c[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICTION).to(tl.float32)
+    dy = tl.load(DY + tokens[:, None] * stride_dy + head * N + c[None, :], mask=mask,
+                 other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    return x, dy

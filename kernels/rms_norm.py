@@ -2,32 +2,40 @@
 
 Each row x ∈ R^N of the (M, N) input is normalized by its root mean square:
 
-    r  = rsqrt(mean(x², -1) + eps)          float32, saved for the backward pass
-    x̂  = x · r
-    y  = s ⊙ x̂,   s = offset + w            (s = 1 without a weight)
+    rstd = rsqrt(mean(x², -1) + eps)        float32, saved for the backward pass
+    x_hat = x · rstd
+    y    = s ⊙ x_hat,   s = offset + w      (s = 1 without a weight)
 
 Two casting conventions (see normtools.core.reference):
 
-    "llama":  y = s ⊙ x̂.to(x.dtype)    x̂ is rounded to the input dtype before the multiply
-    "gemma":  y = s ⊙ x̂                multiply in float32; y is rounded once when stored
+    "llama" (ROUND_XHAT):  y = s ⊙ x_hat.to(x.dtype)   x_hat is rounded to the input dtype first
+    "gemma":               y = s ⊙ x_hat               multiply in float32; y rounded once at store
 
-Backward. With g = s ⊙ dy, and using ∂r/∂x = −r³ x / N:
+Backward. With g = s ⊙ dy, and using ∂rstd/∂x = −rstd³ x / N:
 
-    dx = r · g − x · r³ · Σ(x ⊙ g) / N
-       = r · (g − x̂ · mean(x̂ ⊙ g))
-    dw = Σ_rows dy ⊙ x̂
+    dx = rstd · g − x · rstd³ · Σ(x ⊙ g) / N
+       = rstd · (g − x_hat · c),    c = mean(x_hat ⊙ g)
+    dw = Σ_rows dy ⊙ x_hat
 
 Fused residual (the pre-norm hot path): x = x_in + residual is rounded to the input dtype,
 stored as the second output, and normalized. Its gradient is the sum of the gradient through
 the norm and the gradient of the stored sum, and it flows unchanged to x_in and residual.
 
-Layout. Rows are addressed through their real row stride (the last dimension has unit stride).
-When a row fits in one block of BLOCK_N columns, a program reads it once (SINGLE_PASS) and
-handles BLOCK_M rows at a time; longer rows are processed in a loop over BLOCK_N-wide chunks.
+Layout. Rows are addressed through their row stride (the last dimension has unit stride). A
+row that fits in one block of BLOCK_N columns is read once (SINGLE_PASS; BLOCK_M rows per
+program). A longer row is read in BLOCK_N-wide chunks: the forward reads it twice (sum of
+squares, then output; with a residual the second pass reads the stored sum, not both inputs),
+the backward reads x and dy twice (c per row, then dx and dw).
+
+Traffic (A = one M × N activation): single pass: forward 2A (add: 4A), backward 3A (+A with a
+residual gradient). Chunked: forward 3A (add: 5A), backward 5A. The bytes are counted by
+normtools.measure.kernel_traffic. Loads read once are marked evict_first; what a later pass
+or every program re-reads (the weight, the first pass over a chunked row) evict_last.
 
 Determinism. dw is reduced in two steps with no atomics: each program of the persistent
-backward grid accumulates its rows into its own float32 row of DW_PARTIAL (written even when
-the program received no rows); the launcher sums that (programs, N) buffer over programs.
+backward grid accumulates dy ⊙ x_hat over its rows in registers and stores its float32 partial
+row DW_PARTIAL[pid] once (zeros when it got no rows); kernels/partials.py sums those rows in a
+fixed order.
 
 All arithmetic is float32: values are upcast right after tl.load and downcast before tl.store.
 """
@@ -37,46 +45,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _load_x(X, RES, SUM, x_offsets, res_offsets, sum_offsets, mask,
-            HAS_RESIDUAL: tl.constexpr, STORE_SUM: tl.constexpr):
-    """Load a tile of x as float32; with a residual, x = (x_in + residual) rounded to the input
-    dtype, stored to SUM when STORE_SUM."""
-    x = tl.load(X + x_offsets, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        res = tl.load(RES + res_offsets, mask=mask, other=0.0).to(tl.float32)
-        x_sum = (x + res).to(SUM.dtype.element_ty)
-        if STORE_SUM:
-            tl.store(SUM + sum_offsets, x_sum, mask=mask)
-        x = x_sum.to(tl.float32)
-    return x
-
-
-@triton.jit
-def _scale(W, cols, col_mask, offset, HAS_WEIGHT: tl.constexpr):
-    """s = offset + w in float32 for a chunk of columns (1 without a weight)."""
-    if HAS_WEIGHT:
-        s = offset + tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32)
-    else:
-        s = tl.full(cols.shape, 1.0, tl.float32)
-    return s
-
-
-@triton.jit
-def _normalize_store(Y, y_offsets, mask, x, r, s, X_DTYPE: tl.constexpr, LLAMA_CAST: tl.constexpr):
-    """y = s ⊙ x̂ with x̂ = x · r, rounded as the casting convention says, stored to Y."""
-    x_hat = x * r[:, None]
-    if LLAMA_CAST:
-        x_hat = x_hat.to(X_DTYPE).to(tl.float32)
-    y = x_hat * s[None, :]
-    tl.store(Y + y_offsets, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def rms_norm_fwd(
     X, RES, Y, SUM, W, RSTD,                # pointers; RES/SUM/W unused without residual/weight
     stride_x, stride_res, stride_y, stride_sum,   # row strides (elements)
     M, N, eps, offset,
-    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, LLAMA_CAST: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_XHAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):
     """One program normalizes BLOCK_M consecutive rows."""
@@ -96,11 +69,11 @@ def rms_norm_fwd(
         col_mask = cols < N
         mask = row_mask[:, None] & col_mask[None, :]
         x = _load_x(X, RES, SUM, x_rows + cols[None, :], res_rows + cols[None, :],
-                    sum_rows + cols[None, :], mask, HAS_RESIDUAL, True)
-        r = tl.math.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        tl.store(RSTD + rows, r, mask=row_mask)
+                    sum_rows + cols[None, :], mask, HAS_RESIDUAL, "evict_first")
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
         s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
-        _normalize_store(Y, y_rows + cols[None, :], mask, x, r, s, X_DTYPE, LLAMA_CAST)
+        _normalize_store(Y, y_rows + cols[None, :], mask, x, rstd, s, X_DTYPE, ROUND_XHAT)
     else:
         # Pass 1: sum of squares over the row, chunk by chunk (the residual sum is stored here).
         sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -108,52 +81,38 @@ def rms_norm_fwd(
             cols = start + tl.arange(0, BLOCK_N)
             mask = row_mask[:, None] & (cols[None, :] < N)
             x = _load_x(X, RES, SUM, x_rows + cols[None, :], res_rows + cols[None, :],
-                        sum_rows + cols[None, :], mask, HAS_RESIDUAL, True)
+                        sum_rows + cols[None, :], mask, HAS_RESIDUAL, "evict_last")
             sum_sq += x * x
-        r = tl.math.rsqrt(tl.sum(sum_sq, axis=1) / N + eps)
-        tl.store(RSTD + rows, r, mask=row_mask)
-        # Pass 2: read the row again (recomputing x_in + residual) and write y.
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / N + eps)
+        tl.store(RSTD + rows, rstd, mask=row_mask)
+        if HAS_RESIDUAL:
+            tl.debug_barrier()  # the stored sum is re-read by other threads of this program
+        # Pass 2: read the row again (the stored sum with a residual) and write y.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             mask = row_mask[:, None] & col_mask[None, :]
-            x = _load_x(X, RES, SUM, x_rows + cols[None, :], res_rows + cols[None, :],
-                        sum_rows + cols[None, :], mask, HAS_RESIDUAL, False)
+            if HAS_RESIDUAL:
+                x = tl.load(SUM + sum_rows + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+            else:
+                x = tl.load(X + x_rows + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
             s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
-            _normalize_store(Y, y_rows + cols[None, :], mask, x, r, s, X_DTYPE, LLAMA_CAST)
-
-
-@triton.jit
-def _dx_store(DX, DSUM, dx_offsets, dsum_offsets, mask, dx, HAS_DSUM: tl.constexpr):
-    """Store dx, adding the gradient of the fused residual sum when there is one."""
-    if HAS_DSUM:
-        dx += tl.load(DSUM + dsum_offsets, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DX + dx_offsets, dx.to(DX.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x, stride_dy, N, offset,
-                     HAS_WEIGHT: tl.constexpr):
-    """x and dy (float32) of a (BLOCK_M, BLOCK_N) chunk of a long row, the scale s of its
-    columns, and the chunk's mask: what both passes of the chunked backward read."""
-    col_mask = cols < N
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
-    return x, dy, s, mask
+            _normalize_store(Y, y_rows + cols[None, :], mask, x, rstd, s, X_DTYPE, ROUND_XHAT)
 
 
 @triton.jit
 def rms_norm_bwd(
     DY, X, W, RSTD, DSUM, DX, DW_PARTIAL,   # DW_PARTIAL: (programs, N) float32
+    ROW_DOT,                                # (M,) float32 scratch of the chunked path: c per row
     stride_dy, stride_x, stride_dsum, stride_dx,
     M, N, offset, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):
     """Persistent program pid handles rows [pid · rows_per_program, +rows_per_program) in
-    blocks of BLOCK_M rows and writes its partial dw row DW_PARTIAL[pid]."""
+    blocks of BLOCK_M rows and writes its partial dw row DW_PARTIAL[pid] once."""
     pid = tl.program_id(0)
     row_start = pid * rows_per_program
     row_end = tl.minimum(row_start + rows_per_program, M)
@@ -168,47 +127,114 @@ def rms_norm_bwd(
             rows = block_start + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows = rows.to(tl.int64)
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            x_hat = x * r[:, None]
+            x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
+                                          stride_dy, "evict_first")
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            x_hat = x * rstd[:, None]
             g = dy * s[None, :]
-            c = tl.sum(x_hat * g, axis=1) / N                      # mean(x̂ ⊙ g)
-            dx = r[:, None] * (g - x_hat * c[:, None])
+            c = tl.sum(x_hat * g, axis=1) / N                      # mean(x_hat ⊙ g)
+            dx = rstd[:, None] * (g - x_hat * c[:, None])
             _dx_store(DX, DSUM, rows[:, None] * stride_dx + cols[None, :],
                       rows[:, None] * stride_dsum + cols[None, :], mask, dx, HAS_DSUM)
             dw_acc += dy * x_hat
         if HAS_WEIGHT:
             tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
-        # Long rows: zero this program's partial row, then for each block of rows make one pass
-        # for c = mean(x̂ ⊙ g) and a second pass for dx and the dw contribution. The partial row
-        # is read and written only by this program, always with the same block shape.
-        if HAS_WEIGHT:
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                tl.store(dw_row + cols, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=cols < N)
+        # Long rows. Pass 1, row block by row block: c = mean(x_hat ⊙ g) of each row, kept in
+        # ROW_DOT. Pass 2, column chunk by column chunk, over all rows of this program: dx, and
+        # the chunk's dw accumulated in registers and stored once.
         for block_start in range(row_start, row_end, BLOCK_M):
             rows = block_start + tl.arange(0, BLOCK_M)
             row_mask = rows < row_end
             rows = rows.to(tl.int64)
-            r = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
-                x, dy, s, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
-                                                  stride_dy, N, offset, HAS_WEIGHT)
-                dot += x * r[:, None] * dy * s[None, :]
-            c = tl.sum(dot, axis=1) / N                            # mean(x̂ ⊙ g)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                x, dy, s, mask = _load_grad_chunk(X, DY, W, rows, row_mask, cols, stride_x,
-                                                  stride_dy, N, offset, HAS_WEIGHT)
-                x_hat = x * r[:, None]
-                dx = r[:, None] * (dy * s[None, :] - x_hat * c[:, None])
+                col_mask = cols < N
+                x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
+                                              stride_dy, "evict_last")
+                dot += x * dy * _scale(W, cols, col_mask, offset, HAS_WEIGHT)[None, :]
+            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+            tl.store(ROW_DOT + rows, rstd * tl.sum(dot, axis=1) / N, mask=row_mask)
+        tl.debug_barrier()  # ROW_DOT is read back by other threads of this program
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+            dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for block_start in range(row_start, row_end, BLOCK_M):
+                rows = block_start + tl.arange(0, BLOCK_M)
+                row_mask = rows < row_end
+                rows = rows.to(tl.int64)
+                x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
+                                              stride_dy, "evict_first")
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                c = tl.load(ROW_DOT + rows, mask=row_mask, other=0.0)
+                x_hat = x * rstd[:, None]
+                dx = rstd[:, None] * (dy * s[None, :] - x_hat * c[:, None])
                 _dx_store(DX, DSUM, rows[:, None] * stride_dx + cols[None, :],
                           rows[:, None] * stride_dsum + cols[None, :], mask, dx, HAS_DSUM)
-                if HAS_WEIGHT:
-                    dw = tl.load(dw_row + cols, mask=cols < N, other=0.0)
-                    tl.store(dw_row + cols, dw + tl.sum(dy * x_hat, axis=0), mask=cols < N)
+                dw_acc += dy * x_hat
+            if HAS_WEIGHT:
+                tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _load_x(X, RES, SUM, x_offsets, res_offsets, sum_offsets, mask,
+            HAS_RESIDUAL: tl.constexpr, EVICTION: tl.constexpr):
+    """Load a tile of x as float32; with a residual, x = (x_in + residual) rounded to the input
+    dtype, and stored to SUM."""
+    x = tl.load(X + x_offsets, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    if HAS_RESIDUAL:
+        res = tl.load(RES + res_offsets, mask=mask, other=0.0,
+                      eviction_policy="evict_first").to(tl.float32)
+        x_sum = (x + res).to(SUM.dtype.element_ty)
+        tl.store(SUM + sum_offsets, x_sum, mask=mask)
+        x = x_sum.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _scale(W, cols, col_mask, offset, HAS_WEIGHT: tl.constexpr):
+    """s = offset + w in float32 for a chunk of columns (1 without a weight). Every program
+    reads the weight: evict_last."""
+    if HAS_WEIGHT:
+        s = offset + tl.load(W + cols, mask=col_mask, other=0.0,
+                             eviction_policy="evict_last").to(tl.float32)
+    else:
+        s = tl.full(cols.shape, 1.0, tl.float32)
+    return s
+
+
+@triton.jit
+def _normalize_store(Y, y_offsets, mask, x, rstd, s, X_DTYPE: tl.constexpr,
+                     ROUND_XHAT: tl.constexpr):
+    """y = s ⊙ x_hat with x_hat = x · rstd, rounded as the casting convention says, stored."""
+    x_hat = x * rstd[:, None]
+    if ROUND_XHAT:
+        x_hat = x_hat.to(X_DTYPE).to(tl.float32)
+    y = x_hat * s[None, :]
+    tl.store(Y + y_offsets, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x, stride_dy,
+                    EVICTION: tl.constexpr):
+    """x and dy (float32) of a (BLOCK_M, BLOCK_N) tile, and the tile's mask."""
+    mask = row_mask[:, None] & col_mask[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICTION).to(tl.float32)
+    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
+                 eviction_policy=EVICTION).to(tl.float32)
+    return x, dy, mask
+
+
+@triton.jit
+def _dx_store(DX, DSUM, dx_offsets, dsum_offsets, mask, dx, HAS_DSUM: tl.constexpr):
+    """Store dx, adding the gradient of the fused residual sum when there is one."""
+    if HAS_DSUM:
+        dx += tl.load(DSUM + dsum_offsets, mask=mask, other=0.0,
+                      eviction_policy="evict_first").to(tl.float32)
+    tl.store(DX + dx_offsets, dx.to(DX.dtype.element_ty), mask=mask)

@@ -6,15 +6,18 @@
   tensors, the same kernel run by Triton's interpreter for CPU tensors, also in a fresh process
   in which ``TRITON_INTERPRET`` was never set (helper ``@triton.jit`` functions included).
 * ``as_rows``: a (M, N) view of a tensor with unit stride along N (a copy only if needed).
-* ``row_blocking`` / ``num_programs``: block sizes, rows per program, warps and the size of a
-  persistent grid.
+* ``launch_plan`` / ``plan_for``: block sizes, warps, grid and rows per program of a launch, from
+  the table ``CUDA_ROW_CONFIGS`` on CUDA (also for CPU tensors inside ``planning_for_cuda``).
 """
 
 import contextlib
+import contextvars
+import dataclasses
 import functools
 import os
 import sys
 import threading
+from typing import Optional
 
 import numpy as np
 import torch
@@ -24,17 +27,19 @@ import triton.runtime.interpreter as triton_interpreter
 from triton.runtime.interpreter import InterpretedFunction
 from triton.runtime.jit import JITFunction
 
-# Elements of one row chunk held in registers: rows longer than this are processed in a loop
-# over chunks of this many elements (the cap is in bytes, so 8192 fp32 or 16384 bf16 values).
-MAX_CHUNK_BYTES = 32768
-# Target elements in one program's tile when several short rows share a program. The
-# interpreter pays ~1 ms per program instance, so CPU tiles are larger.
-TILE_ELEMENTS = {"cuda": 4096, "cpu": 65536}
-# Persistent grid of the backward pass: programs per SM on CUDA (two resident programs per SM
-# hide some load latency; each adds one float32 partial row to reduce), a few on CPU.
-PROGRAMS_PER_SM = 2
-CPU_PROGRAMS = 4
+from normtools._kernels import partials as _partials
 
+# CPU launch knobs (the interpreter pays ~1 ms per program instance, so CPU tiles are large;
+# tests shrink these to force chunking and many programs on CPU). CUDA plans come from
+# CUDA_ROW_CONFIGS below.
+MAX_CHUNK_BYTES = 32768         # a CPU row chunk: 8192 fp32 or 16384 bf16 values
+TILE_ELEMENTS = {"cpu": 65536}  # values in one CPU program's tile of short rows
+CPU_PROGRAMS = 4                # persistent backward grid on CPU
+# Persistent backward grid on CUDA: programs per SM (two resident programs per SM hide some
+# load latency; each adds one float32 partial row to reduce).
+PROGRAMS_PER_SM = 2
+# SMs of the GPU that plans are made for when no GPU is present (H200, the benchmark target).
+DEFAULT_SM_COUNT = 132
 
 def interpreter_requested():
     """True when the environment asks for Triton's interpreter (TRITON_INTERPRET=1). Only the
@@ -123,11 +128,50 @@ class _InterpretedKernel:
         return launch
 
 
+_LAUNCH_RECORDER = contextvars.ContextVar("normtools_launch_recorder", default=None)
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Within this context, kernel launches are recorded instead of run: yields a list that
+    receives a ``RecordedLaunch`` per launch (the ops' outputs are then uninitialized)."""
+    launches = []
+    token = _LAUNCH_RECORDER.set(launches)
+    try:
+        yield launches
+    finally:
+        _LAUNCH_RECORDER.reset(token)
+
+
+@dataclasses.dataclass
+class RecordedLaunch:
+    """A launch ``kernel[grid](*args, **kwargs)`` seen inside ``recording_launches``."""
+
+    kernel: JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+class _RecordingKernel:
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(RecordedLaunch(self.kernel, tuple(grid), args, kwargs))
+        return launch
+
+
 def kernel_for(kernel, device):
     """The callable form of a ``@triton.jit`` kernel for tensors on ``device``: the compiled
     kernel for CUDA tensors; for CPU tensors the kernel run by Triton's interpreter (also when
     TRITON_INTERPRET=1 made it an interpreted function at import). Use as
-    ``kernel_for(k, x.device)[grid](...)``."""
+    ``kernel_for(k, x.device)[grid](...)``. Inside ``recording_launches`` the launch is
+    recorded, not run."""
+    launches = _LAUNCH_RECORDER.get()
+    if launches is not None:
+        return _RecordingKernel(kernel, launches)
     if torch.device(device).type == "cuda" and not isinstance(kernel, InterpretedFunction):
         return kernel
     return _InterpretedKernel(kernel)
@@ -146,19 +190,134 @@ def as_rows(t):
     return t.reshape(-1, n)
 
 
-def row_blocking(m, n, element_size, device):
-    """Choose (BLOCK_M, BLOCK_N, num_warps) for a row-wise kernel over an (m, n) matrix.
+# ---------------------------------------------------------------------------------------------
+# Launch plans: what every launch of a row-wise kernel uses (block sizes, warps, grid)
+# ---------------------------------------------------------------------------------------------
 
-    BLOCK_N is next_power_of_2(n) up to MAX_CHUNK_BYTES / element_size: a row that fits is read
-    once; a longer one is processed in a loop over chunks. Short rows are packed BLOCK_M per
-    program so that a program's tile has about TILE_ELEMENTS values.
+KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
+           "qk_norm_fwd", "qk_norm_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """How a row of up to ``n_max`` elements is launched on CUDA: ``block_n`` columns per tile
+    (None: the whole row, next_power_of_2(N), read once), ``num_warps``, and ``tile`` values
+    per program (short rows are packed tile // BLOCK_N to a program)."""
+
+    n_max: int
+    block_n: Optional[int]
+    num_warps: int
+    tile: int
+    reason: str
+
+
+# CUDA_ROW_CONFIGS[(direction, element bytes)]: one row per range of N, first match wins.
+# Checked ahead of time by normtools.measure.spills (0 B of spill at sm_90 for every row, and
+# every row compiles for sm_75 and sm_80) and normtools.measure.kernel_traffic (bytes touched).
+_ = None  # "the whole row"
+CUDA_ROW_CONFIGS = {
+    ("fwd", 2): (
+        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
+        RowConfig(4096, _, 8, 4096, "one row per program, 16 values per thread"),
+        RowConfig(8192, _, 16, 8192, "one row per program, 16 values per thread"),
+        RowConfig(16384, _, 16, 16384, "one row per program, 32 values per thread"),
+        RowConfig(32768, _, 32, 32768, "one row in 1024 threads, 32 values per thread"),
+        RowConfig(1 << 62, 8192, 16, 8192, "too long for registers: chunks of 8192, two passes"),
+    ),
+    ("fwd", 4): (
+        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
+        RowConfig(4096, _, 8, 4096, "one row per program, 16 values per thread"),
+        RowConfig(8192, _, 16, 8192, "one row per program, 16 values per thread"),
+        RowConfig(16384, _, 16, 16384, "one row per program, 32 values per thread"),
+        RowConfig(32768, _, 32, 32768, "one row in 1024 threads, 32 values per thread"),
+        RowConfig(1 << 62, 8192, 16, 8192, "too long for registers: chunks of 8192, two passes"),
+    ),
+    ("bwd", 2): (
+        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
+        RowConfig(4096, _, 8, 4096, "one row per program, x and dy: 2 x 16 values per thread"),
+        RowConfig(8192, _, 16, 8192, "one row per program, x and dy: 2 x 16 values per thread"),
+        RowConfig(1 << 62, 4096, 16, 4096, "x, dy and dw of a whole row spill: chunks of 4096"),
+    ),
+    ("bwd", 4): (
+        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
+        RowConfig(4096, _, 8, 4096, "one row per program, x and dy: 2 x 16 values per thread"),
+        RowConfig(8192, _, 16, 8192, "one row per program, x and dy: 2 x 16 values per thread"),
+        RowConfig(1 << 62, 4096, 16, 4096, "x, dy and dw of a whole row spill: chunks of 4096"),
+    ),
+}
+del _
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of a row-wise kernel over an (M, N) matrix: BLOCK_M rows x BLOCK_N columns
+    per tile, ``num_warps``, a grid of ``programs``, each handling ``rows_per_program`` rows
+    (BLOCK_M for a forward; a persistent backward program loops over its rows), and the reason
+    the configuration was picked."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    programs: int
+    rows_per_program: int
+    single_pass: bool
+    reason: str
+
+
+def cuda_row_config(kernel, element_size, n):
+    """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd") and a row of n elements."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
+    direction = kernel.rsplit("_", 1)[1]
+    table = CUDA_ROW_CONFIGS[direction, 4 if element_size >= 4 else 2]
+    return next(config for config in table if n <= config.n_max)
+
+
+def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT):
+    """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
+    reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
+    spill report) use the same block sizes and grid.
+
+    CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n); backward grids are
+    persistent, PROGRAMS_PER_SM x ``sm_count`` programs at most. CPU (Triton's interpreter):
+    BLOCK_N = next_power_of_2(n) up to MAX_CHUNK_BYTES / element size, TILE_ELEMENTS["cpu"]
+    values per tile, CPU_PROGRAMS programs in a persistent grid.
     """
-    max_block_n = MAX_CHUNK_BYTES // element_size
-    block_n = min(triton.next_power_of_2(max(n, 1)), max_block_n)
-    tile = TILE_ELEMENTS["cuda" if torch.device(device).type == "cuda" else "cpu"]
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    whole_row = triton.next_power_of_2(max(n, 1))
+    if device_type == "cuda":
+        config = cuda_row_config(kernel, element_size, n)
+        block_n = whole_row if config.block_n is None else min(config.block_n, whole_row)
+        tile, num_warps, reason = config.tile, config.num_warps, config.reason
+        limit = PROGRAMS_PER_SM * sm_count
+    else:
+        block_n = min(whole_row, MAX_CHUNK_BYTES // element_size)
+        tile, num_warps, limit = TILE_ELEMENTS["cpu"], 4, CPU_PROGRAMS
+        reason = "CPU interpreter: large tiles (about 1 ms per program)"
     block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
-    num_warps = min(max(block_m * block_n // 512, 1), 16)
-    return block_m, block_n, num_warps
+    blocks = triton.cdiv(m, block_m)
+    if kernel.endswith("_bwd"):
+        programs = max(1, min(limit, blocks))
+        rows_per_program = triton.cdiv(blocks, programs) * block_m
+    else:
+        programs, rows_per_program = blocks, block_m
+    return LaunchPlan(block_m, block_n, num_warps, programs, rows_per_program, n <= block_n,
+                      reason)
+
+
+_PLAN_TARGET = contextvars.ContextVar("normtools_plan_target", default=None)
+
+
+@contextlib.contextmanager
+def planning_for_cuda(sm_count=DEFAULT_SM_COUNT):
+    """Within this context, launches on CPU tensors (Triton's interpreter) use the plans of a
+    CUDA device with ``sm_count`` SMs: how the bytes counter and the spill report see exactly
+    the block sizes and grids that a GPU run gets."""
+    token = _PLAN_TARGET.set(("cuda", sm_count))
+    try:
+        yield
+    finally:
+        _PLAN_TARGET.reset(token)
 
 
 @functools.cache
@@ -166,13 +325,30 @@ def _sm_count(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def num_programs(device, num_blocks):
-    """Size of a persistent grid: PROGRAMS_PER_SM per SM on CUDA, CPU_PROGRAMS on CPU, never
-    more than the number of row blocks (and at least 1)."""
+def plan_for(kernel, dtype, m, n, device):
+    """``launch_plan`` for tensors on ``device`` (its SM count on CUDA), or for the CUDA device
+    of an enclosing ``planning_for_cuda``."""
+    target = _PLAN_TARGET.get()
+    if target is not None:
+        return launch_plan(kernel, dtype, m, n, *target)
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        limit = PROGRAMS_PER_SM * _sm_count(index)
-    else:
-        limit = CPU_PROGRAMS
-    return max(1, min(limit, num_blocks))
+        return launch_plan(kernel, dtype, m, n, "cuda", _sm_count(index))
+    return launch_plan(kernel, dtype, m, n, "cpu")
+
+
+def sum_partials(partial, dtype):
+    """OUT[o] = Σ_i partial[i, o] in float32, written as ``dtype``: the weight gradient from
+    the backward's per-program partial rows ``partial`` (n_partials, n_out, N; the last two
+    dimensions contiguous), one launch of ``kernels/partials.py``. Returns (n_out, N)."""
+    n_partials, n_out, n = partial.shape
+    out = torch.empty((n_out, n), dtype=dtype, device=partial.device)
+    # (32, 128) tiles: 32 float32 values per thread in 4 warps, N / 128 programs per row
+    block_n = min(triton.next_power_of_2(max(n, 1)), 128)
+    block_p = min(triton.next_power_of_2(max(n_partials, 1)), 32)
+    if n_partials == 0:
+        return out.zero_()
+    kernel_for(_partials.sum_partials, partial.device)[(triton.cdiv(n, block_n), n_out)](
+        partial, out, n_partials, n_out, n, partial.stride(0), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+    return out

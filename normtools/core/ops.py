@@ -15,12 +15,11 @@ Inputs are checked (normtools.core._validate) before anything runs.
 from typing import Optional
 
 import torch
-import triton
 
 from normtools.core import _validate
 from normtools._kernels import layer_norm as _ln
 from normtools._kernels import rms_norm as _rms
-from normtools.core._launch import as_rows, kernel_for, num_programs, resolve_backend, row_blocking
+from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (
     inv_rms,
     layer_norm_backward_reference,
@@ -48,14 +47,6 @@ def _param_or(param, placeholder):
     return placeholder if param is None else param.contiguous()
 
 
-def _persistent_grid(m, n, element_size, device):
-    """(programs, rows_per_program, BLOCK_M, BLOCK_N, num_warps) of a persistent backward grid."""
-    block_m, block_n, num_warps = row_blocking(m, n, element_size, device)
-    programs = num_programs(device, triton.cdiv(m, block_m))
-    rows_per_program = triton.cdiv(triton.cdiv(m, block_m), programs) * block_m
-    return programs, rows_per_program, block_m, block_n, num_warps
-
-
 # ---------------------------------------------------------------------------------------------
 # RMSNorm (optionally fused with a residual add)
 # ---------------------------------------------------------------------------------------------
@@ -72,15 +63,15 @@ def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
         res2 = as_rows(residual)
         summed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     sum2 = summed.view(-1, n)
-    block_m, block_n, num_warps = row_blocking(m, n, x.element_size(), x.device)
+    plan = plan_for("rms_norm_fwd", x.dtype, m, n, x.device)
     if m > 0:
-        kernel_for(_rms.rms_norm_fwd, x.device)[(triton.cdiv(m, block_m),)](
+        kernel_for(_rms.rms_norm_fwd, x.device)[(plan.programs,)](
             x2, res2, y, sum2, _param_or(weight, x2), rstd,
             x2.stride(0), res2.stride(0), n, sum2.stride(0),
             m, n, eps, offset,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            LLAMA_CAST=casting == "llama",
-            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+            ROUND_XHAT=casting == "llama", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
+            SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
         )
     return y, (summed if residual is not None else x.new_empty(0)), rstd
 
@@ -90,17 +81,17 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
     m, n = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     dsum2 = x2 if dsum is None else as_rows(dsum)
-    programs, rows_per_program, block_m, block_n, num_warps = _persistent_grid(
-        m, n, x.element_size(), x.device)
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    kernel_for(_rms.rms_norm_bwd, x.device)[(programs,)](
-        dy2, x2, _param_or(weight, x2), rstd, dsum2, dx, dw_partial,
+    plan = plan_for("rms_norm_bwd", x.dtype, m, n, x.device)
+    dw_partial = torch.empty((plan.programs, 1, n), dtype=torch.float32, device=x.device)
+    row_dot = torch.empty(0 if plan.single_pass else m, dtype=torch.float32, device=x.device)
+    kernel_for(_rms.rms_norm_bwd, x.device)[(plan.programs,)](
+        dy2, x2, _param_or(weight, x2), rstd, dsum2, dx, dw_partial, row_dot,
         dy2.stride(0), x2.stride(0), dsum2.stride(0), n,
-        m, n, offset, rows_per_program,
-        HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+        m, n, offset, plan.rows_per_program,
+        HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
     )
-    dw = x.new_empty(0) if weight is None else dw_partial.sum(0).to(weight.dtype)
+    dw = x.new_empty(0) if weight is None else sum_partials(dw_partial, weight.dtype)[0]
     return dx, dw
 
 
@@ -209,13 +200,14 @@ def _layer_norm_fwd_triton(x, weight, bias, eps):
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = torch.empty(_stat_shape(x), dtype=torch.float32, device=x.device)
     rstd = torch.empty_like(mean)
-    block_m, block_n, num_warps = row_blocking(m, n, x.element_size(), x.device)
+    plan = plan_for("layer_norm_fwd", x.dtype, m, n, x.device)
     if m > 0:
-        kernel_for(_ln.layer_norm_fwd, x.device)[(triton.cdiv(m, block_m),)](
+        kernel_for(_ln.layer_norm_fwd, x.device)[(plan.programs,)](
             x2, y, _param_or(weight, x2), _param_or(bias, x2), mean, rstd,
             x2.stride(0), n, m, n, eps,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass,
+            num_warps=plan.num_warps,
         )
     return y, mean, rstd
 
@@ -224,18 +216,21 @@ def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
     dy2, x2 = as_rows(dy), as_rows(x)
     m, n = x2.shape
     dx = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    programs, rows_per_program, block_m, block_n, num_warps = _persistent_grid(
-        m, n, x.element_size(), x.device)
-    dw_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    db_partial = torch.empty((programs, n), dtype=torch.float32, device=x.device)
-    kernel_for(_ln.layer_norm_bwd, x.device)[(programs,)](
-        dy2, x2, _param_or(weight, x2), mean, rstd, dx, dw_partial, db_partial,
-        dy2.stride(0), x2.stride(0), n, m, n, rows_per_program,
-        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=block_m, BLOCK_N=block_n, SINGLE_PASS=n <= block_n, num_warps=num_warps,
+    plan = plan_for("layer_norm_bwd", x.dtype, m, n, x.device)
+    params = [p for p in (weight, bias) if p is not None]   # partial slots: dw first, then db
+    partial = torch.empty((plan.programs, max(len(params), 1), n), dtype=torch.float32,
+                          device=x.device)
+    row_means = torch.empty((2, 0 if plan.single_pass else m), dtype=torch.float32,
+                            device=x.device)
+    kernel_for(_ln.layer_norm_bwd, x.device)[(plan.programs,)](
+        dy2, x2, _param_or(weight, x2), mean, rstd, dx, partial, row_means,
+        dy2.stride(0), x2.stride(0), n, m, n, plan.rows_per_program,
+        HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=plan.block_m,
+        BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
     )
-    dw = x.new_empty(0) if weight is None else dw_partial.sum(0).to(weight.dtype)
-    db = x.new_empty(0) if bias is None else db_partial.sum(0).to(bias.dtype)
+    grads = [sum_partials(partial[:, slot:slot + 1], p.dtype)[0] for slot, p in enumerate(params)]
+    dw = x.new_empty(0) if weight is None else grads.pop(0)
+    db = x.new_empty(0) if bias is None else grads.pop(0)
     return dx, dw, db
 
 

@@ -30,7 +30,7 @@ from torch import nn
 
 from normtools.core import _validate
 from normtools._kernels import qk_norm as _k
-from normtools.core._launch import as_rows, kernel_for, resolve_backend, row_blocking
+from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
                                  rms_norm_reference)
 
@@ -151,11 +151,13 @@ def _torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
 
 # ----------------------------------------------------------------------------- triton backend
 
-def _blocking(n_tokens, nq, nk, element_size, device):
-    """(ROWS tokens per program, BLOCK_NQ, BLOCK_NK, num_warps) for the q/k launch."""
-    rows, block_n, num_warps = row_blocking(n_tokens, max(nq, nk), element_size, device)
-    return (rows, min(triton.next_power_of_2(nq), block_n),
-            min(triton.next_power_of_2(nk), block_n), num_warps)
+def _blocking(kernel, n_tokens, nq, nk, dtype, device):
+    """(ROWS tokens per block, BLOCK_NQ, BLOCK_NK, num_warps, programs of a persistent grid)
+    for the q/k launch of ``kernel`` ("qk_norm_fwd" / "qk_norm_bwd"), from the launch plan
+    of the longer row."""
+    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device)
+    return (plan.block_m, min(triton.next_power_of_2(nq), plan.block_n),
+            min(triton.next_power_of_2(nk), plan.block_n), plan.num_warps, plan.programs)
 
 
 def _head_stride(weight, row_len):
@@ -175,7 +177,8 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     k_rstd = torch.empty(hk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qy, ky, q_rstd, k_rstd
-    rows, block_nq, block_nk, num_warps = _blocking(n_tokens, nq, nk, q2d.element_size(), device)
+    rows, block_nq, block_nk, num_warps, _ = _blocking("qk_norm_fwd", n_tokens, nq, nk,
+                                                       q2d.dtype, device)
     n_token_blocks = triton.cdiv(n_tokens, rows)
     kernel_for(_k.qk_norm_fwd, device)[((hq + hk) * n_token_blocks,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
@@ -188,11 +191,14 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
 
 
 def _sum_partials(partial, heads, weight):
-    """Weight gradient from the per-program float32 partial rows (n_token_blocks · heads, N),
-    program p = block · heads + head: sum over token blocks, then over heads when all heads
-    share one weight row."""
-    dw = partial.view(-1, heads, partial.shape[1]).sum(0)
-    return (dw if weight.dim() == 2 else dw.sum(0)).to(weight.dtype)
+    """Weight gradient from the per-program float32 partial rows (groups · heads, N),
+    program p = group · heads + head, in one launch: summed over token blocks for one weight
+    row per head, over all programs when the heads share one weight row."""
+    n = partial.shape[1]
+    per_head = weight.dim() == 2
+    dw = sum_partials(partial.view(-1, heads, n) if per_head else partial.view(-1, 1, n),
+                      weight.dtype)
+    return dw if per_head else dw[0]
 
 
 def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq, nk, offset):
@@ -202,15 +208,19 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     dqy, dky = as_rows(dqy), as_rows(dky)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    rows, block_nq, block_nk, num_warps = _blocking(n_tokens, nq, nk, q2d.element_size(), device)
+    rows, block_nq, block_nk, num_warps, programs = _blocking("qk_norm_bwd", n_tokens, nq, nk,
+                                                              q2d.dtype, device)
+    # persistent grid: the token blocks of each head slot are shared by `groups` programs
     n_token_blocks = triton.cdiv(n_tokens, rows)
-    dqw_partial = torch.empty(hq * n_token_blocks, nq, device=device, dtype=torch.float32)
-    dkw_partial = torch.empty(hk * n_token_blocks, nk, device=device, dtype=torch.float32)
+    groups = min(n_token_blocks, triton.cdiv(programs, hq + hk))
+    tokens_per_program = triton.cdiv(n_token_blocks, max(groups, 1)) * rows
+    dqw_partial = torch.empty(hq * groups, nq, device=device, dtype=torch.float32)
+    dkw_partial = torch.empty(hk * groups, nk, device=device, dtype=torch.float32)
     if n_tokens > 0:
-        kernel_for(_k.qk_norm_bwd, device)[((hq + hk) * n_token_blocks,)](
+        kernel_for(_k.qk_norm_bwd, device)[((hq + hk) * groups,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), dqy, dky, dq, dk,
             q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens, hq, hk, hq * n_token_blocks,
+            n_tokens, tokens_per_program, hq, hk, hq * groups,
             q2d.stride(0), k2d.stride(0), dqy.stride(0), dky.stride(0), dq.stride(0),
             dk.stride(0), _head_stride(q_weight, nq), _head_stride(k_weight, nk), offset,
             NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk, num_warps=num_warps)
