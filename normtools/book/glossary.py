@@ -79,16 +79,16 @@ TERMS = (
     Term("scale parameterization", "How the learned scale $s$ is stored: as $s = w$ (Llama) or "
          "as $s = 1 + w$ with a zero-centred $w$ (Gemma) {cite}`gemma2025gemma3`.",
          "03_solution", "cách tham số hoá hệ số tỉ lệ"),
-    Term("offset", "The constant in $s = \\mathrm{offset} + w$: 0 for Llama-style weights, 1 for "
-         "Gemma-style ones; always added in float32.", "03_solution", "độ dời (offset)"),
+    Term("offset", "The constant in $s = \\mathrm{offset} + w$: zero for Llama-style weights, one "
+         "for Gemma-style ones; always added in float32.", "03_solution", "độ dời (offset)"),
     Term("casting", "Where the result is rounded to the model dtype: before the weight multiply "
          "(\"llama\") or after it (\"gemma\"); the statistics are float32 in both.",
          "03_solution", "ép kiểu dữ liệu"),
     Term("ulp", "Unit in the last place: the gap between neighbouring floats of a dtype; errors "
          "in ulps count representable values between two results.", "03_solution",
          "đơn vị ở chữ số cuối (ulp)"),
-    Term("bfloat16", "A 16-bit float with float32's exponent range and an 8-bit significand; "
-         "the usual dtype of weights and activations.", "03_solution",
+    Term("bfloat16", "A float of two bytes with float32's exponent range and eight significant "
+         "bits; the usual dtype of weights and activations.", "03_solution",
          "số thực dấu phẩy động bfloat16"),
     Term("norm card", "The record of every normalization choice of a model (kind, placement, "
          "eps, bias, offset, casting, QK-Norm scope) that `normtools card` prints.",
@@ -101,7 +101,10 @@ TERMS = (
          "độ lệch của phép chiếu (bias)"),
     # --- attention ----------------------------------------------------------------------------
     Term("QK-Norm", "A norm applied to the query and key projections before their dot product, "
-         "which bounds the attention logits {cite}`henry2020qknorm,dehghani2023vit22b`.",
+         "so that the size of the attention logits no longer follows that of the projections: "
+         "$\\ell_2$ normalization with a learned scalar in its first form "
+         "{cite}`henry2020qknorm`, LayerNorm in ViT-22B {cite}`dehghani2023vit22b`, RMSNorm in "
+         "the language models of this book.",
          "01_definition", "chuẩn hoá truy vấn–khoá (QK-Norm)"),
     Term("per-head QK-Norm", "QK-Norm whose statistics cover one head ($d_{head}$ features), "
          "with one weight shared by all heads; Qwen3 and Gemma 3 {cite}`yang2025qwen3`.",
@@ -135,9 +138,9 @@ TERMS = (
          "training, often before a loss spike {cite}`olmo2024olmo2`.", "04a_profiling_stability",
          "đột biến chuẩn gradient"),
     Term("DyT", "Dynamic Tanh, $y = w \\tanh(\\alpha x) + b$, proposed as a drop-in replacement "
-         "for the norm layers {cite}`zhu2025dyt`.", "01_definition", "Tanh động (DyT)"),
+         "for the norm layers {cite}`zhu2025dyt`.", "07_related", "Tanh động (DyT)"),
     Term("nGPT", "A Transformer whose hidden states and weights are kept on the unit hypersphere "
-         "{cite}`loshchilov2025ngpt`.", "01_definition", "Transformer chuẩn hoá (nGPT)"),
+         "{cite}`loshchilov2025ngpt`.", "07_related", "Transformer chuẩn hoá (nGPT)"),
     # --- kernels and checking -----------------------------------------------------------------
     Term("kernel", "One GPU program launch; normtools' kernels are written in Triton "
          "{cite}`tillet2019triton`.", "04b_profiling_kernels", "nhân tính toán (kernel)"),
