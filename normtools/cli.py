@@ -1,4 +1,4 @@
-"""Command line: ``normtools card|diff|bench ...`` (also ``python -m normtools``)."""
+"""Command line: ``normtools card|diff|bench|lab ...`` (also ``python -m normtools``)."""
 
 import argparse
 import sys
@@ -6,7 +6,7 @@ from importlib import import_module
 
 # Each subcommand lives next to the code it drives; the module exposes
 # ``add_cli(subparsers)``, which registers its parser and sets ``func`` (args -> exit code).
-_COMMAND_MODULES = ("normtools.cards.cli", "normtools.measure.bench")
+_COMMAND_MODULES = ("normtools.cards.cli", "normtools.measure.bench", "normtools.lab.studies")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -25,10 +25,16 @@ to the attention implementation ``"normtools_probe"`` (registered with transform
 ``AttentionInterface``), which is eager attention that keeps the logits it computes, and uses
 the eager (additive float) mask, so the attended pairs are those the model's own mask allows
 (causal, and the sliding window of Gemma 3's local layers).
+
+Two more probes for the stability chapter: :func:`low_precision_attention` (what rounding the
+attention logits to bfloat16 does to the softmax) and :func:`init_gradients` (Xiong et al.
+2020's measurement: at initialization, the gradient norm of each layer's FFN output matrix and
+the RMS of the residual stream, Post-LN against Pre-LN, over depths and seeds).
 """
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 
 import numpy as np
@@ -304,3 +310,82 @@ def panels(n: int, ax=None):
     if len(axes) != n:
         raise ValueError(f"got {len(axes)} axes for {n} panels")
     return axes[0].figure, axes
+
+
+@torch.no_grad()
+def low_precision_attention(logits: torch.Tensor, valid: torch.Tensor,
+                            dtype: torch.dtype = torch.bfloat16,
+                            saturation: float = 0.99) -> dict[str, float]:
+    """What rounding the attention logits s (B, H, Tq, Tk) to ``dtype`` does, over the pairs
+    where ``valid`` (broadcast to the logits) is True. The softmax is taken in float32, of s
+    and of round(s), over each query's valid keys:
+
+        logit_max           max |s|
+        spacing_at_max      spacing of ``dtype`` at max |s|: eps · 2^⌊log2 max|s|⌋
+                            (bfloat16: eps = 2⁻⁷, so 16 at |s| = 2048)
+        rounding_error_max  max |s − round(s)|
+        entropy             mean over queries of −Σ_j p_j log p_j (nats), p = softmax(s)
+        entropy_rounded     the same for p = softmax(round(s))
+        saturated           fraction of queries whose largest p_j ≥ ``saturation``
+        prob_error_max      max |softmax(s) − softmax(round(s))| over the pairs
+    """
+    s = logits.detach().float()
+    valid = valid.expand_as(s)
+    rounded = s.to(dtype).float()
+    attended = s[valid].abs()
+    logit_max = attended.max().item()
+
+    def softmax_entropy(v):
+        log_p = torch.log_softmax(v.masked_fill(~valid, float("-inf")), dim=-1)
+        p = log_p.exp()
+        return p, -(p * log_p.masked_fill(~valid, 0.0)).sum(-1).mean().item()
+
+    p, entropy = softmax_entropy(s)
+    p_rounded, entropy_rounded = softmax_entropy(rounded)
+    spacing = torch.finfo(dtype).eps * 2.0 ** math.floor(math.log2(logit_max)) if logit_max > 0 else 0.0
+    return {
+        "logit_max": logit_max,
+        "spacing_at_max": spacing,
+        "rounding_error_max": (s - rounded)[valid].abs().max().item(),
+        "entropy": entropy,
+        "entropy_rounded": entropy_rounded,
+        "saturated": (p.amax(-1) >= saturation).float().mean().item(),
+        "prob_error_max": (p - p_rounded)[valid].abs().max().item(),
+    }
+
+
+def init_gradients(batch, placements=("post", "pre"), depths=(6,), seeds=(0, 1, 2),
+                   **config) -> "pandas.DataFrame":
+    """Xiong et al. 2020's measurement, at initialization: one forward and one backward pass of
+    a fresh TinyLM (seeded with ``seed``) per placement, depth and seed, on ``batch``. One row
+    per layer with
+
+        w2_grad_norm   ‖∂L/∂W²‖_F of the layer's FFN output matrix (``mlp.down_proj.weight``:
+                       the second FFN matrix, W² in their notation)
+        residual_rms   RMS of the residual stream after the layer
+
+    and the loss of the pass in ``loss``. ``config`` are TinyLM's keyword arguments."""
+    import pandas as pd
+
+    rows = []
+    for placement in placements:
+        for depth in depths:
+            for seed in seeds:
+                torch.manual_seed(seed)
+                model = TinyLM(placement=placement, depth=depth, **config)
+                with recording(model) as rec:
+                    loss = next_token_loss(model, batch)
+                    loss.backward()
+                for i, layer in enumerate(model.layers):
+                    rows.append({"placement": placement, "depth": depth, "seed": seed, "layer": i,
+                                 "w2_grad_norm": layer.mlp.down_proj.weight.grad.norm().item(),
+                                 "residual_rms": rec.residual_rms[i], "loss": loss.item()})
+    return pd.DataFrame(rows)
+
+
+def power_law_exponent(x, y) -> float:
+    """The exponent a of the least-squares fit log y = a · log x + b."""
+    x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
+    if x.shape != y.shape or x.size < 2 or (x <= 0).any() or (y <= 0).any():
+        raise ValueError("need at least two positive (x, y) pairs of the same shape")
+    return float(np.polyfit(np.log(x), np.log(y), 1)[0])

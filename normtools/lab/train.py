@@ -1,9 +1,12 @@
 """A small training loop for TinyLM, with the per-step records the stability chapters plot.
 
 :func:`train` runs AdamW with linear warm-up and cosine decay, clips the global gradient norm,
-uses bf16 (or fp16 with loss scaling) autocast on a GPU, and records at every step
+runs in float32 or under bfloat16 autocast (``precision="bf16"``, on a CPU or a GPU; fp16 with
+loss scaling on a GPU only), optionally adds PaLM's z-loss, and records at every step
 
-    step, lr, loss, grad_norm          grad_norm: global L2 norm before clipping
+    step, lr, loss, grad_norm          loss: the cross-entropy (without the z-loss term);
+                                       grad_norm: global L2 norm before clipping
+    log_z                              mean over tokens of log Z, Z = Σ_v exp(output logit v)
     logit_max                          max attention logit over all layers
     logit_max_<i>, act_rms_<i>         per layer i: max attention logit, RMS of the residual
                                        stream after block i (see normtools.lab.probes)
@@ -11,8 +14,10 @@ uses bf16 (or fp16 with loss scaling) autocast on a GPU, and records at every st
 The data order is fixed by ``seed`` (a seeded ``torch.Generator``), so on CPU a run is
 deterministic for a given model initialization. Two stability measures:
 
-* :func:`spike_score` — the fraction of steps whose value lies more than k standard deviations
-  above the mean of the preceding window.
+* :func:`spike_score` — OLMo 2's spike score (OLMo et al. 2024, "2 OLMo 2 Furious"): the
+  percentage of steps whose value lies at least 7 standard deviations away from the rolling
+  average of the last 1000 values. ``window`` and ``k`` can be changed for short runs; a
+  score computed with other values is an adaptation, not OLMo 2's measure.
 * :func:`lr_sensitivity` — Wortsman et al. 2023 ("Small-scale proxies for large-scale
   Transformer training instabilities"): E_{η ∈ grid}[min(ℓ(η), ℓ₀) − min_η ℓ(η)], ℓ(η) the
   final loss at learning rate η and ℓ₀ the loss at initialization.
@@ -27,9 +32,10 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from tqdm import tqdm  # the text bar: tqdm.auto warns at import in kernels without ipywidgets
 
-from normtools.lab.probes import decoder_layers, next_token_loss, panels, recording
+from normtools.lab.probes import decoder_layers, panels, recording, split_batch
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -54,17 +60,37 @@ def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
 
-def _autocast(precision: str, device: torch.device):
+def autocast_for(precision: str, device: torch.device):
+    """(precision, context) for a forward pass: ``"fp32"`` runs as is; ``"bf16"`` under
+    ``torch.autocast(device.type, torch.bfloat16)`` (CPU or GPU: matrix products, and so the
+    attention logits q·kᵀ and the output logits, are computed and stored in bfloat16); ``"fp16"``
+    under float16 autocast, GPU only; ``"auto"``: bf16 on a GPU that supports it, else fp32."""
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
         precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
     if precision == "fp32":
         return precision, nullcontext()
-    if device.type != "cuda":
-        raise ValueError(f"precision {precision!r} needs a CUDA device; use 'fp32' on {device.type}")
+    if precision == "fp16" and device.type != "cuda":
+        raise ValueError(f"precision 'fp16' needs a CUDA device; use 'bf16' or 'fp32' on {device.type}")
     dtype = torch.bfloat16 if precision == "bf16" else torch.float16
-    return precision, torch.autocast("cuda", dtype=dtype)
+    return precision, torch.autocast(device.type, dtype=dtype)
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """PaLM's auxiliary z-loss (Chowdhery et al. 2022): mean over tokens of (log Z)², with
+    log Z = logsumexp of the output logits over the vocabulary (last dim), in float32. Added
+    as ``coefficient · z_loss`` (PaLM: 1e-4), it pulls log Z towards 0."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def loss_terms(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mean cross-entropy of the targets, output logits in float32) of the model's next-token
+    predictions on ``batch`` (token ids (B, T+1) or a pair (inputs, targets))."""
+    x, y = split_batch(batch)
+    out = model(x)
+    logits = (out.logits if hasattr(out, "logits") else out[0]).float()
+    return F.cross_entropy(logits.flatten(0, 1), y.flatten()), logits
 
 
 @torch.no_grad()
@@ -76,7 +102,7 @@ def evaluate(model: nn.Module, data, split: str = "val", batches: int = 4, batch
     generator = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
-    losses = [next_token_loss(model, data.get_batch(split, batch_size, seq_len, generator, device)).item()
+    losses = [loss_terms(model, data.get_batch(split, batch_size, seq_len, generator, device))[0].item()
               for _ in range(batches)]
     model.train(was_training)
     return float(np.mean(losses))
@@ -85,13 +111,15 @@ def evaluate(model: nn.Module, data, split: str = "val", batches: int = 4, batch
 def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16,
           seq_len: int | None = None, warmup: int | None = None, min_lr_ratio: float = 0.1,
           weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
-          grad_clip: float | None = 1.0, precision: str = "auto", seed: int = 0,
-          eval_batches: int = 4, quiet: bool = False) -> "pandas.DataFrame":
+          grad_clip: float | None = 1.0, precision: str = "auto", z_loss_coef: float = 0.0,
+          seed: int = 0, eval_batches: int = 4, quiet: bool = False) -> "pandas.DataFrame":
     """Train ``model`` in place for ``steps`` steps on ``data`` (a :class:`normtools.lab.data.TextData`)
     and return one record per step (see module docs).
 
-    ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping; ``quiet``
-    turns the progress bar off. With ``eval_batches > 0`` the validation loss before and after
+    ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping;
+    ``z_loss_coef`` > 0 minimizes cross-entropy + z_loss_coef · :func:`z_loss` (PaLM: 1e-4);
+    ``precision`` is one of :data:`PRECISIONS` (see :func:`autocast_for`; the validation loss is
+    computed in the same precision); ``quiet`` turns the progress bar off. With ``eval_batches > 0`` the validation loss before and after
     training is in ``df.attrs["initial_loss"]`` and ``df.attrs["final_loss"]``. A run whose loss
     becomes non-finite stops there (its last record has the non-finite loss).
     """
@@ -99,18 +127,21 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
 
     if steps < 1 or lr <= 0:
         raise ValueError(f"steps must be ≥ 1 and lr > 0, got steps={steps}, lr={lr}")
+    if not z_loss_coef >= 0:
+        raise ValueError(f"z_loss_coef must be ≥ 0, got {z_loss_coef}")
     seq_len = seq_len or model.config.max_seq_len
     warmup = max(1, steps // 10) if warmup is None else warmup
     device = next(model.parameters()).device
-    precision, autocast = _autocast(precision, device)
+    precision, autocast = autocast_for(precision, device)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = make_optimizer(model, lr, weight_decay, betas)
     depth = len(decoder_layers(model))
-    attrs = {"lr": lr, "steps": steps, "precision": precision}
+    attrs = {"lr": lr, "steps": steps, "precision": precision, "z_loss_coef": z_loss_coef}
     if eval_batches:
-        attrs["initial_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
+        with autocast:
+            attrs["initial_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
 
     records = []
     model.train()
@@ -122,14 +153,15 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
         batch = data.get_batch("train", batch_size, seq_len, generator, device)
         with recording(model) as rec:
             with autocast:
-                loss = next_token_loss(model, batch)
+                loss, output_logits = loss_terms(model, batch)
             logit_max = [rec.logit_max(i) for i in range(depth)]
+        objective = loss + z_loss_coef * z_loss(output_logits) if z_loss_coef else loss
         optimizer.zero_grad(set_to_none=True)
         if scaler is not None:
-            scaler.scale(loss).backward()
+            scaler.scale(objective).backward()
             scaler.unscale_(optimizer)
         else:
-            loss.backward()
+            objective.backward()
         clip = grad_clip if grad_clip is not None else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip).item()
         if scaler is not None:
@@ -138,6 +170,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
         else:
             optimizer.step()
         record = {"step": step, "lr": step_lr, "loss": loss.item(), "grad_norm": grad_norm,
+                  "log_z": torch.logsumexp(output_logits.detach(), -1).mean().item(),
                   "logit_max": max(logit_max)}
         record.update({f"logit_max_{i}": v for i, v in enumerate(logit_max)})
         record.update({f"act_rms_{i}": rec.residual_rms[i] for i in range(depth)})
@@ -148,7 +181,8 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
             break
     bar.close()
     if eval_batches:
-        attrs["final_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
+        with autocast:
+            attrs["final_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
     df = pd.DataFrame(records)
     df.attrs.update(attrs)
     return df
@@ -167,10 +201,19 @@ def per_layer(records, metric: str) -> "pandas.DataFrame":
     return out
 
 
-def spike_score(series: Sequence[float], window: int = 20, k: float = 3.0) -> float:
-    """Fraction of steps t ≥ window with x_t > mean(x_{t−window..t−1}) + k · std(x_{t−window..t−1}).
+#: OLMo 2's spike score: window of the rolling average, and the threshold in standard deviations.
+OLMO2_SPIKE_WINDOW, OLMO2_SPIKE_K = 1000, 7.0
 
-    The window statistics ignore non-finite values; a non-finite x_t counts as a spike.
+
+def spike_score(series: Sequence[float], window: int = OLMO2_SPIKE_WINDOW,
+                k: float = OLMO2_SPIKE_K) -> float:
+    """Spike score in percent: 100 · (number of steps t ≥ window with
+    |x_t − mean(x_{t−window..t−1})| ≥ k · std(x_{t−window..t−1})) / (len(x) − window).
+
+    The defaults are OLMo 2's definition (the last 1000 values, 7σ); it needs more than
+    ``window`` values. The window statistics ignore non-finite values (std: population, ddof 0);
+    a non-finite x_t counts as a spike, a value equal to the window's mean never does (so a
+    constant series has none).
     """
     x = np.asarray(series, dtype=np.float64)
     if window < 2 or k <= 0:
@@ -183,9 +226,9 @@ def spike_score(series: Sequence[float], window: int = 20, k: float = 3.0) -> fl
         past = past[np.isfinite(past)]
         if not np.isfinite(x[t]):
             spikes += 1
-        elif past.size >= 2 and x[t] > past.mean() + k * past.std():
+        elif past.size >= 2 and 0 < abs(x[t] - past.mean()) >= k * past.std():
             spikes += 1
-    return spikes / (x.size - window)
+    return 100.0 * spikes / (x.size - window)
 
 
 def lr_sensitivity(final_losses_by_lr: Mapping[float, float], initial_loss: float) -> float:
@@ -202,7 +245,7 @@ def lr_sensitivity(final_losses_by_lr: Mapping[float, float], initial_loss: floa
 def lr_sweep(make_model: Callable[[], nn.Module], data, lrs: Sequence[float], steps: int,
              **train_kwargs) -> "pandas.DataFrame":
     """Train a fresh ``make_model()`` at each learning rate; one row per lr with the initial and
-    final validation loss and the run's max attention logit and spike score of the loss."""
+    final validation loss and the run's max attention logit."""
     import pandas as pd
 
     rows = []
@@ -210,8 +253,7 @@ def lr_sweep(make_model: Callable[[], nn.Module], data, lrs: Sequence[float], st
         records = train(make_model(), data, steps, lr, **train_kwargs)
         rows.append({"lr": lr, "initial_loss": records.attrs["initial_loss"],
                      "final_loss": records.attrs["final_loss"],
-                     "logit_max": records["logit_max"].max(),
-                     "loss_spike_score": spike_score(records["loss"]) if len(records) > 20 else float("nan")})
+                     "logit_max": records["logit_max"].max()})
     return pd.DataFrame(rows)
 
 
@@ -256,3 +298,14 @@ def plot_per_layer(records: "pandas.DataFrame", metric: str = "logit_max", ax=No
     fig.tight_layout()
     return fig
 
+
+
+def plot_seed_band(ax, x, curves, label: str, color=None, style: str = "-"):
+    """The median over seeds of ``curves`` (one row per seed) against ``x`` as a line, and the
+    range (min to max over seeds) as a band of the same colour. Returns the line."""
+    curves = np.atleast_2d(np.asarray(curves, dtype=float))
+    with np.errstate(all="ignore"):
+        median, lo, hi = (np.nanmedian(curves, 0), np.nanmin(curves, 0), np.nanmax(curves, 0))
+    (line,) = ax.plot(x, median, style, color=color, label=label, linewidth=1.5)
+    ax.fill_between(x, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
+    return line
