@@ -295,3 +295,14 @@ def test_bias_parameters_gpt2_conv1d_and_no_norm_bias():
     assert "h.0.attn.c_attn.bias" in names and "h.1.mlp.c_proj.bias" in names
     assert not any("ln_" in n for n in names)   # LayerNorm biases are norm parameters
     assert sum(p.numel() for p in bias_parameters(model).values()) == _hf_bias_numel(model)
+
+
+def test_agreement_verdicts_follow_ulps_and_tolerance():
+    from normtools.measure.parity import agreement
+
+    x = torch.linspace(-3, 3, 101, dtype=torch.bfloat16)
+    for steps, expected in ((0, "≤ 1 ulp"), (1, "≤ 1 ulp"), (2, "within tolerance")):
+        r = compare(x, step(x, torch.full_like(x, steps, dtype=torch.int64), 1))
+        assert agreement(r.max_ulps, r.allclose) == expected
+    far = compare(x, x + 1)
+    assert agreement(far.max_ulps, far.allclose) == "outside tolerance"

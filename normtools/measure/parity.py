@@ -23,7 +23,7 @@ from functools import partial
 
 import torch
 
-__all__ = ["DEFAULT_TOLERANCES", "Parity", "ulp_distance", "compare", "norm_parity",
+__all__ = ["DEFAULT_TOLERANCES", "Parity", "ulp_distance", "compare", "agreement", "norm_parity",
            "learned_shapes"]
 
 # (rtol, atol) per output dtype: torch.testing.assert_close's defaults.
@@ -152,6 +152,19 @@ def compare(reference, candidate, *, rtol=None, atol=None, reference_name="refer
         atol=atol,
         allclose=n_mismatch == 0,
     )
+
+
+def agreement(max_ulps, allclose):
+    """The verdict of one comparison that survives another machine's rounding.
+
+    "≤ 1 ulp" when no element is more than one representable value away (bit-identical
+    included: whether a sum in another order lands on the same side of a rounding boundary
+    changes from machine to machine, a bound of one ulp does not); else "within tolerance" when
+    ``allclose`` (the dtype's default rtol/atol); else "outside tolerance".
+    """
+    if max_ulps <= 1:
+        return "≤ 1 ulp"
+    return "within tolerance" if allclose else "outside tolerance"
 
 
 def _norm_eps(module):
