@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: all setup lock book execute html test unit nbval nbval-perturbed notebooks clean
+.PHONY: all setup lock book execute html diagrams test unit nbval nbval-perturbed notebooks clean
 
 all: test book
 
@@ -68,13 +68,18 @@ execute: $(STAMP)
 	    --times $(CHAPTER_TIMES); \
 	done
 
-html: $(STAMP)
+html: $(STAMP) diagrams
 	test -d $(BUILD_SRC) || { echo "run 'make execute' first"; exit 1; }
 	# refresh everything but the executed notebooks (pages, config, vendored JS, kernels, results)
 	tar --exclude='*.ipynb' -cf - _config.yml _toc.yml book kernels bench | tar -xf - -C $(BUILD_SRC)
 	rm -rf _build/html _build/.doctrees
 	$(VENV)/bin/jupyter-book build $(BUILD_SRC) --path-output . -W --keep-going
 	@echo "book: $(CURDIR)/_build/html/index.html"
+
+# Mermaid diagrams as static SVG (headless Chromium): renders the new ones into the committed
+# cache book/_diagrams and deletes those no page uses (commit the change).
+diagrams: $(STAMP)
+	$(VPY) -m normtools.book.diagrams
 
 # Refresh the outputs stored in book/*.ipynb (then review and commit them).
 notebooks: $(STAMP)

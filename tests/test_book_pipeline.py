@@ -355,3 +355,30 @@ def test_no_stored_text_output_line_is_wider_than_100_columns(path):
                                     f"{len(line.expandtabs())} columns: {line[:60]!r}...")
     assert not too_wide, f"{len(too_wide)} output lines wider than {MAX_OUTPUT_COLUMNS}:\n" + "\n".join(
         too_wide[:40])
+
+
+# ---------------------------------------------------------------------- diagrams
+
+def test_every_diagram_has_its_rendered_svg_and_no_svg_is_stale():
+    """book/_diagrams holds exactly the SVGs of the book's current diagrams (`make diagrams`)."""
+    from normtools.book.diagrams import book_diagram_sources, diagram_key, svg_size
+
+    mermaid_js = ROOT / "book" / "_static" / "vendor" / "mermaid" / "mermaid.min.js"
+    sources = book_diagram_sources(ROOT / "book")
+    assert sources, "the book has no mermaid diagram"
+    expected = {f"{diagram_key(s, mermaid_js)}.svg" for s in sources}
+    stored = {p.name for p in (ROOT / "book" / "_diagrams").glob("*.svg")}
+    assert expected <= stored, f"not rendered (run `make diagrams`): {sorted(expected - stored)}"
+    assert stored <= expected, f"unused (run `make diagrams`): {sorted(stored - expected)}"
+    for name in stored:
+        svg = (ROOT / "book" / "_diagrams" / name).read_text()
+        width, height = svg_size(svg)
+        assert svg.startswith("<svg") and 20 < height < 1000 and 20 < width < 2000, name
+
+
+def test_diagram_sources_reads_fences_and_directives():
+    from normtools.book.diagrams import diagram_sources
+
+    text = ("x\n```mermaid\nflowchart LR\n  A --> B\n```\n\n```python\nprint(1)\n```\n"
+            "````{mermaid}\n:alt: two boxes\ngraph TD\n  C --> D\n````\n")
+    assert diagram_sources(text) == ["flowchart LR\n  A --> B", "graph TD\n  C --> D"]

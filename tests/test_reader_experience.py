@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-SITE = ROOT / "_build" / "html"
+# NORMBOOK_SITE points the tests at a build elsewhere (e.g. one made from a copy of the sources).
+SITE = Path(os.environ.get("NORMBOOK_SITE", ROOT / "_build" / "html"))
 SCREENSHOTS = ROOT / "_build" / "screenshots"
 README_SCREENSHOT = ROOT / "book" / "_static" / "readme" / "chapter-page.png"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -158,19 +159,21 @@ class QuietHandler(http.server.SimpleHTTPRequestHandler):
         pass
 
 
+# Diagrams are static SVG (book/_ext/mermaid_svg.py): a figure.diagram holding an <svg> with
+# drawn content; any mermaid source left for a script to draw (pre.mermaid) counts as unrendered.
 READ_PAGE_STATE = """async () => {
   if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
-  const mermaids = [...document.querySelectorAll('pre.mermaid')];
-  for (let i = 0; i < 100 && mermaids.some(m => !m.querySelector('svg')); i++) {
-    await new Promise(r => setTimeout(r, 100));
-  }
   const maths = [...document.querySelectorAll('.math')];
+  const diagrams = [...document.querySelectorAll('figure.diagram')];
+  const drawn = d => { const svg = d.querySelector(':scope > svg');
+    return svg && svg.querySelectorAll('g, path, rect').length > 3 && svg.textContent.trim().length > 0; };
   return {
     math: maths.length,
     math_unrendered: maths.filter(m => !m.querySelector('mjx-container') && m.tagName !== 'MJX-CONTAINER').length,
     math_errors: document.querySelectorAll('mjx-merror').length,
-    mermaid: mermaids.length,
-    mermaid_unrendered: mermaids.filter(m => !m.querySelector('svg')).length,
+    mermaid: diagrams.length,
+    mermaid_unrendered: diagrams.filter(d => !drawn(d)).length
+      + document.querySelectorAll('pre.mermaid, div.mermaid, code.language-mermaid').length,
     images_broken: [...document.images].filter(i => !(i.complete && i.naturalWidth > 0)).map(i => i.src),
   };
 }"""
@@ -263,3 +266,63 @@ def test_readme_shows_a_chapter_screenshot_made_by_this_test():
     readme = (ROOT / "README.md").read_text()
     assert README_SCREENSHOT.relative_to(ROOT).as_posix() in readme
     assert README_SCREENSHOT.exists(), "run NORMBOOK_UPDATE_README_SCREENSHOT=1 make test"
+
+
+DIAGRAM_GEOMETRY = """() => [...document.querySelectorAll('figure.diagram')].map(d => {
+  const svg = d.querySelector(':scope > svg');
+  if (!svg) { return {svg: false}; }
+  const box = svg.getBoundingClientRect(), view = svg.viewBox.baseVal;
+  return {svg: true, width: box.width, height: box.height, view_width: view.width,
+          view_height: view.height, shapes: svg.querySelectorAll('g, path, rect').length,
+          text: svg.textContent.trim().slice(0, 40)};
+})"""
+
+
+def _diagram_counts():
+    from normtools.book.diagrams import diagram_sources
+
+    counts = {}
+    for notebook in CHAPTER_NOTEBOOKS:
+        cells = json.loads(notebook.read_text())["cells"]
+        counts[notebook.stem] = sum(len(diagram_sources("".join(c["source"])))
+                                    for c in cells if c["cell_type"] == "markdown")
+    return {stem: n for stem, n in counts.items() if n}
+
+
+@pytest.mark.parametrize("width", [1280, 390])
+def test_diagrams_render_from_disk_and_size_to_their_content(site, browser, width):
+    """Opened from file:// (no server, no script), every diagram is a drawn SVG, none shows its
+    source, and each is as tall as its content at the page's width (no fixed-height box)."""
+    chromium, _ = browser
+    counts = _diagram_counts()
+    assert counts, "no mermaid diagram in any chapter: this test checks nothing"
+    context = chromium.new_context(viewport={"width": width, "height": 900})
+    problems = []
+    for stem, expected in counts.items():
+        page = context.new_page()
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+        page.goto((site / "book" / f"{stem}.html").as_uri(), wait_until="load")
+        diagrams = page.evaluate(DIAGRAM_GEOMETRY)
+        raw_source = page.evaluate("() => /(^|\\n)\\s*(flowchart|graph) (LR|TD|TB|RL)/.test(document.body.innerText)")
+        page.close()
+        if len(diagrams) != expected or raw_source:
+            problems.append(f"{stem}: {len(diagrams)} diagrams for {expected} in the source; raw source shown: {raw_source}")
+            continue
+        for i, d in enumerate(diagrams):
+            where = f"{stem} diagram {i} at {width} px"
+            if not d["svg"] or d["shapes"] <= 3 or not d["text"]:
+                problems.append(f"{where}: not drawn ({d})")
+            elif not (20 <= d["height"] <= 700 and d["width"] <= width):
+                problems.append(f"{where}: {d['width']:.0f} x {d['height']:.0f} px")
+            elif abs(d["height"] / d["width"] - d["view_height"] / d["view_width"]) > 0.02:
+                problems.append(f"{where}: box {d['width']:.0f} x {d['height']:.0f} px for a "
+                                f"{d['view_width']:.0f} x {d['view_height']:.0f} drawing (empty space)")
+    context.close()
+    assert not problems, "\n".join(problems)
+
+
+def test_no_page_draws_diagrams_with_a_script(site):
+    """Diagrams are drawn at build time: no page loads mermaid's JavaScript."""
+    for page in _pages(site):
+        text = page.read_text(encoding="utf-8")
+        assert not re.search(r"<script[^>]+mermaid", text), f"{page.name} loads mermaid"
