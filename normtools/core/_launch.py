@@ -167,14 +167,29 @@ def kernel_for(kernel, device):
     """The callable form of a ``@triton.jit`` kernel for tensors on ``device``: the compiled
     kernel for CUDA tensors; for CPU tensors the kernel run by Triton's interpreter (also when
     TRITON_INTERPRET=1 made it an interpreted function at import). Use as
-    ``kernel_for(k, x.device)[grid](...)``. Inside ``recording_launches`` the launch is
-    recorded, not run."""
+    ``kernel_for(k, x.device)[grid](...)``. A CUDA launch runs inside a device guard for
+    ``device``. Inside ``recording_launches`` the launch is recorded, not run."""
     launches = _LAUNCH_RECORDER.get()
     if launches is not None:
         return _RecordingKernel(kernel, launches)
     if torch.device(device).type == "cuda" and not isinstance(kernel, InterpretedFunction):
-        return kernel
+        return _DeviceGuardedKernel(kernel, torch.device(device))
     return _InterpretedKernel(kernel)
+
+
+class _DeviceGuardedKernel:
+    """A compiled kernel launched inside ``torch.cuda.device(device)``, as Liger-Kernel does:
+    Triton launches on the current CUDA device, so without the guard tensors on another GPU
+    would be read by a launch on the wrong one."""
+
+    def __init__(self, kernel, device):
+        self.kernel, self.device = kernel, device
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with torch.cuda.device(self.device):
+                return self.kernel[grid](*args, **kwargs)
+        return launch
 
 
 def as_rows(t):
