@@ -1,8 +1,9 @@
-"""``normtools card`` and ``normtools diff``."""
+"""``normtools card``, ``normtools diff`` and ``normtools atlas``."""
 
 import json
 import sys
 
+from normtools.cards import atlas
 from normtools.cards.params import count_parameters
 from normtools.cards.render import card, diff_table
 from normtools.cards.safetensors_header import SafetensorsHeaderError
@@ -10,22 +11,71 @@ from normtools.cards.sources import bundled_configs, load
 from normtools.cards.types import SpecError, diff
 
 
+def _load_any(source):
+    """(spec, config dict or None): a checkpoint, config.json or bundled config, else an atlas
+    family (a model type of transformers, probed; no parameter counts)."""
+    try:
+        return load(source)
+    except SpecError as not_a_file:
+        committed = atlas.load_atlas()
+        if source in committed["families"] or source in committed["not_probed"]:
+            return atlas.atlas_spec(source, committed), None
+        raise SpecError(f"{not_a_file} or an atlas family (normtools atlas)") from None
+
+
 def _run_card(args) -> int:
-    spec, config = load(args.source)
+    spec, config = _load_any(args.source)
+    counts = count_parameters(config) if config is not None else None
     if args.json:
-        print(json.dumps({"spec": spec.to_dict(), "parameters": count_parameters(config)}, indent=2))
+        print(json.dumps({"spec": spec.to_dict(), "parameters": counts}, indent=2))
     else:
-        print(card(spec, count_parameters(config)))
+        print(card(spec, counts))
     return 0
 
 
 def _run_diff(args) -> int:
-    a, _ = load(args.a)
-    b, _ = load(args.b)
+    a, _ = _load_any(args.a)
+    b, _ = _load_any(args.b)
     if args.json:
         print(json.dumps({k: list(v) for k, v in diff(a, b).items()}, indent=2))
     else:
         print(diff_table(a, b, (args.a, args.b)) if diff(a, b) else "no differences")
+    return 0
+
+
+def _run_atlas(args) -> int:
+    committed = atlas.load_atlas(args.atlas)
+    if args.compare:
+        other = atlas.load_atlas(args.compare)
+        print(json.dumps(atlas.compare_atlases(committed, other), indent=2))
+        return 0
+    if args.refresh or args.reprobe is not None:
+        types = args.reprobe or None
+        fresh = atlas.build_atlas(types, progress=lambda t, result: print(f"{t}: {result}", file=sys.stderr))
+        if types:  # compare only what was re-probed
+            committed = {**committed, "families": {t: r for t, r in committed["families"].items() if t in types},
+                         "not_probed": {t: r for t, r in committed["not_probed"].items() if t in types}}
+        changes = atlas.compare_atlases(committed, fresh)
+        print(json.dumps({"transformers": [committed["transformers"], fresh["transformers"]], **changes}, indent=2))
+        if args.refresh:
+            atlas.save_atlas(fresh, args.atlas)
+            print(f"atlas: {len(fresh['families'])} families probed, {len(fresh['not_probed'])} listed "
+                  "with a reason", file=sys.stderr)
+            return 0
+        return 1 if any(changes.values()) else 0
+    if args.json:
+        print(json.dumps(committed, indent=1, sort_keys=True))
+        return 0
+    rows = atlas.atlas_rows(committed)
+    print(f"# norm atlas of transformers {committed['transformers']} (probe v{committed['probe_version']}): "
+          f"{len(rows)} families probed, {len(committed['not_probed'])} not\n")
+    header = list(rows[0])
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(f"{v:g}" if isinstance(v, float) else str(v) for v in row.values()) + " |")
+    print("\n| not probed | reason |\n|---|---|")
+    for t, reason in sorted(committed["not_probed"].items()):
+        print(f"| {t} | {reason.replace('|', '/')} |")
     return 0
 
 
@@ -54,3 +104,16 @@ def add_cli(subparsers) -> None:
     diff_parser.add_argument("b", metavar="B")
     diff_parser.add_argument("--json", action="store_true", help="print {field: [A, B]} as JSON")
     diff_parser.set_defaults(func=_reporting_errors(_run_diff))
+    atlas_parser = subparsers.add_parser(
+        "atlas", help="the norm atlas of every causal-LM family of transformers",
+        description="Print the committed atlas (probed from the running transformers code), "
+                    "re-probe it, or compare two atlases.")
+    atlas_parser.add_argument("--json", action="store_true", help="print the whole atlas as JSON")
+    atlas_parser.add_argument("--refresh", action="store_true",
+                              help="re-probe every family and rewrite the atlas file (a few minutes)")
+    atlas_parser.add_argument("--reprobe", nargs="*", metavar="MODEL_TYPE",
+                              help="re-probe these families (none given: all) and print what changed "
+                                   "against the atlas file; exit code 1 if anything did")
+    atlas_parser.add_argument("--compare", metavar="OTHER_JSON", help="print what changed from the atlas to OTHER_JSON")
+    atlas_parser.add_argument("--atlas", metavar="PATH", help="the atlas file (default: the committed one)")
+    atlas_parser.set_defaults(func=_reporting_errors(_run_atlas))

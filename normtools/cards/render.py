@@ -11,6 +11,7 @@ CASTING_FORMULAS = {
     "llama": "(offset + w) * x̂.to(x.dtype)",
     "gemma": "(x̂ * (offset + w.float())).to(x.dtype)",
     "torch": "torch.nn.LayerNorm in the input dtype",
+    "other": "neither convention reproduces the module's bf16 output bit for bit (atlas probe)",
 }
 # config keys behind each card row, to flag rows whose source value is unconfirmed
 _EPS_KEYS = ("rms_norm_eps", "layer_norm_eps")

@@ -1,0 +1,188 @@
+"""The atlas: norm cards probed from the running transformers code.
+
+The truth table below was written by reading each family's ``modeling_*.py`` and
+``configuration_*.py`` in the installed transformers (norm class and its forward, the decoder
+layer's forward, the config defaults), not from the probe's output. The probe's norm
+measurements are checked against norm modules built here with known settings (torch's own
+LayerNorm and transformers' RMSNorm classes). A sample of families is re-probed and compared with
+the committed atlas.
+"""
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from normtools import cards
+from normtools.cards import atlas
+from normtools.cards.cli import add_cli
+
+transformers = pytest.importorskip("transformers")
+
+N, T = False, True
+NO_BIAS = (N, N, N, N)
+QKV = (T, T, T, N)
+ALL = (T, T, T, T)
+# model_type: (kind, eps, offset, norm bias, casting, placement, final norm, QK scope,
+#              QK before RoPE, (q, k, v, o) projection biases, MLP bias)
+TRUTH = {
+    # LlamaRMSNorm: weight * (x.float() * rsqrt(ms + eps)).to(dtype); input/post_attention pre-norms
+    "llama": ("rms", 1e-6, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    "mistral": ("rms", 1e-6, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    "mixtral": ("rms", 1e-5, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    "qwen2": ("rms", 1e-6, 0, N, "llama", "pre", T, "none", None, QKV, N),  # q/k/v bias=True, o no
+    "qwen2_moe": ("rms", 1e-6, 0, N, "llama", "pre", T, "none", None, QKV, N),  # qkv_bias default True
+    # Qwen3: q_norm/k_norm = RMSNorm(head_dim) on (B, T, H, D) before apply_rotary_pos_emb
+    "qwen3": ("rms", 1e-6, 0, N, "llama", "pre", T, "per_head", T, NO_BIAS, N),
+    "qwen3_moe": ("rms", 1e-6, 0, N, "llama", "pre", T, "per_head", T, NO_BIAS, N),
+    # GemmaRMSNorm: (x̂ * (1 + w.float())).to(dtype)
+    "gemma": ("rms", 1e-6, 1, N, "gemma", "pre", T, "none", None, NO_BIAS, N),
+    "gemma2": ("rms", 1e-6, 1, N, "gemma", "sandwich", T, "none", None, NO_BIAS, N),
+    "gemma3_text": ("rms", 1e-6, 1, N, "gemma", "sandwich", T, "per_head", T, NO_BIAS, N),
+    "gemma3": ("rms", 1e-6, 1, N, "gemma", "sandwich", T, "per_head", T, NO_BIAS, N),
+    # OlmoLayerNorm: F.layer_norm(x.float(), no weight/bias, eps=1e-5).to(dtype)
+    "olmo": ("layer", 1e-5, 0, N, "gemma", "pre", T, "none", None, NO_BIAS, N),
+    # Olmo2RMSNorm: (w * x̂).to(dtype); norms on sublayer outputs; q_norm over H*D before RoPE
+    "olmo2": ("rms", 1e-5, 0, N, "gemma", "post_sublayer", T, "per_layer", T, NO_BIAS, N),
+    "olmo3": ("rms", 1e-5, 0, N, "gemma", "post_sublayer", T, "per_layer", T, NO_BIAS, N),
+    # OlmoeRMSNorm is Llama's; q_norm = RMSNorm(hidden_size) on q_proj(x), before RoPE
+    "olmoe": ("rms", 1e-5, 0, N, "llama", "pre", T, "per_layer", T, NO_BIAS, N),
+    # Phi: nn.LayerNorm, one input_layernorm feeds attention and MLP; qk_layernorm default False
+    "phi": ("layer", 1e-5, 0, T, "torch", "parallel", T, "none", None, ALL, T),
+    "phi3": ("rms", 1e-5, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    # Falcon defaults: parallel_attn=True, new_decoder_architecture=False, bias=False
+    "falcon": ("layer", 1e-5, 0, T, "torch", "parallel", T, "none", None, NO_BIAS, N),
+    # GPT-NeoX defaults: use_parallel_residual=True, attention_bias=True
+    "gpt_neox": ("layer", 1e-5, 0, T, "torch", "parallel", T, "none", None, ALL, T),
+    "gpt2": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),
+    # CohereLayerNorm: float32 mean/variance, weight in float32, no bias, cast back; parallel block
+    "cohere": ("layer", 1e-5, 0, N, "gemma", "parallel", T, "none", None, NO_BIAS, N),
+    "cohere2": ("layer", 1e-5, 0, N, "gemma", "parallel", T, "none", None, NO_BIAS, N),
+    "starcoder2": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),  # use_bias=True
+    "deepseek_v3": ("rms", 1e-6, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    # GptOssRMSNorm: (w * x̂).to(dtype); attention_bias=True
+    "gpt_oss": ("rms", 1e-5, 0, N, "gemma", "pre", T, "none", None, ALL, N),
+    # MiniMaxM2: q_norm = RMSNorm(H * head_dim) before RoPE
+    "minimax_m2": ("rms", 1e-6, 0, N, "llama", "pre", T, "per_layer", T, NO_BIAS, N),
+    # Glm4: input, post_self_attn, post_attention, post_mlp norms; rms_norm_eps default 1.5625e-7
+    "glm4": ("rms", 1.5625e-7, 0, N, "llama", "sandwich", T, "none", None, QKV, N),
+    "granite": ("rms", 1e-6, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    # StableLM defaults: use_parallel_residual=False, qk_layernorm=False, use_qkv_bias=False
+    "stablelm": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, NO_BIAS, N),
+    # HunYuan dense: query_layernorm(head_dim) applied after apply_rotary_pos_emb
+    "hunyuan_v1_dense": ("rms", 1e-5, 0, N, "llama", "pre", T, "per_head", N, NO_BIAS, N),
+    # BLOOM: LayerNorm, pre-norm, query_key_value and dense biases
+    "bloom": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),
+    # OPT decoder layer, do_layer_norm_before=True: pre-norm; OPT-350m-style project_out absent
+    "opt": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),
+    # BERT (BertLMHeadModel): LayerNorm(x + sublayer(x)) inside BertSelfOutput / BertOutput
+    "bert": ("layer", 1e-12, 0, T, "torch", "post", T, "none", None, ALL, T),
+}
+
+
+@pytest.fixture(scope="module")
+def committed():
+    return atlas.load_atlas()
+
+
+def _row(spec):
+    b, qk, p = spec.block_norm, spec.qk_norm, spec.biases
+    return (b.kind, b.eps, b.offset, b.bias, b.casting, spec.placement, spec.final_norm is not None,
+            qk.scope, qk.before_rope, (p.q, p.k, p.v, p.o), p.mlp)
+
+
+@pytest.mark.parametrize("model_type", sorted(TRUTH))
+def test_atlas_matches_the_modeling_code(model_type, committed):
+    assert model_type in committed["families"], committed["not_probed"].get(model_type)
+    assert _row(atlas.atlas_spec(model_type, committed)) == TRUTH[model_type]
+
+
+def test_every_causal_lm_family_is_probed_or_listed_with_a_reason(committed):
+    types = set(atlas.causal_lm_model_types())
+    assert set(committed["families"]) | set(committed["not_probed"]) == types
+    assert not set(committed["families"]) & set(committed["not_probed"])
+    assert all(reason.strip() for reason in committed["not_probed"].values())
+    assert len(committed["families"]) >= 120
+
+
+def test_the_atlas_is_of_the_installed_transformers(committed):
+    assert committed["transformers"] == transformers.__version__
+    assert committed["probe_version"] == atlas.PROBE_VERSION
+
+
+# a sample of families re-probed now must give the committed cards (a few seconds each)
+SAMPLE = ("llama", "olmo2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss", "bert")
+
+
+@pytest.mark.parametrize("model_type", SAMPLE)
+def test_reprobing_a_family_gives_the_committed_card(model_type, committed):
+    fresh = atlas.probe_family(model_type)
+    assert cards.ModelNormSpec.from_dict(fresh["spec"]) == atlas.atlas_spec(model_type, committed)
+
+
+def test_probe_and_rules_agree_except_where_they_describe_different_models(committed):
+    """The hand rules in derive.py describe BERT's encoder (BertModel); the atlas probes the
+    causal LM (BertLMHeadModel), whose prediction head has a LayerNorm before the biased decoder."""
+    disagreements = atlas.rule_disagreements(committed)
+    assert set(disagreements) <= {"bert"}
+    assert set(disagreements.get("bert", {})) <= {"final_norm", "biases.lm_head"}
+
+
+# ------------------------------------------------------------------ one norm, known settings
+
+@pytest.mark.parametrize("make, expected", [
+    (lambda: torch.nn.LayerNorm(48, eps=3e-5), ("layer", 3e-5, 0.0, True, "torch")),
+    (lambda: transformers.models.llama.modeling_llama.LlamaRMSNorm(48, eps=2e-6), ("rms", 2e-6, 0.0, False, "llama")),
+    (lambda: transformers.models.gemma3.modeling_gemma3.Gemma3RMSNorm(48, eps=4e-6), ("rms", 4e-6, 1.0, False, "gemma")),
+    (lambda: transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm(48, eps=5e-5), ("rms", 5e-5, 0.0, False, "gemma")),
+])
+def test_probe_norm_measures_kind_eps_scale_and_casting(make, expected):
+    p = atlas.probe_norm(make(), (3, 5, 48))
+    assert (p["kind"], p["eps"], p["offset"], p["bias"], p["casting"]) == expected
+    assert p["eps_measured"] == pytest.approx(expected[1], rel=1e-3)
+
+
+def test_probe_norm_measures_an_eps_the_module_does_not_expose():
+    class HiddenEps(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.layer_norm(x, x.shape[-1:], eps=7e-6)
+
+    HiddenEps.__name__ = "HiddenEpsLayerNorm"
+    p = atlas.probe_norm(HiddenEps(), (4, 32))
+    assert p["kind"] == "layer" and p["eps"] is None and not p["affine"]
+    assert p["eps_measured"] == pytest.approx(7e-6, rel=1e-3)
+
+
+# ------------------------------------------------------------------ CLI
+
+def run_cli(capsys, *argv):
+    parser = argparse.ArgumentParser(prog="normtools")
+    add_cli(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    code = args.func(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_card_and_diff_of_atlas_families(capsys, committed):
+    code, out, _ = run_cli(capsys, "card", "glm4")
+    assert code == 0 and "| Placement | sandwich |" in out and "| eps | 1.5625e-07 |" in out
+    code, out, _ = run_cli(capsys, "diff", "qwen3", "olmo2", "--json")
+    assert code == 0 and json.loads(out)["placement"] == ["pre", "post_sublayer"]
+    code, _, err = run_cli(capsys, "card", "no_such_family")
+    assert code == 2 and "atlas family" in err
+
+
+def test_atlas_table_json_and_compare(capsys, committed, tmp_path):
+    code, out, _ = run_cli(capsys, "atlas")
+    assert code == 0 and out.count("\n| ") >= len(committed["families"]) + len(committed["not_probed"])
+    code, out, _ = run_cli(capsys, "atlas", "--json")
+    assert code == 0 and json.loads(out)["families"].keys() == committed["families"].keys()
+    changed = json.loads(json.dumps(committed))
+    changed["families"]["llama"]["spec"]["placement"] = "post"
+    del changed["families"]["gpt2"]
+    (tmp_path / "new.json").write_text(json.dumps(changed))
+    code, out, _ = run_cli(capsys, "atlas", "--compare", str(tmp_path / "new.json"))
+    d = json.loads(out)
+    assert d["changed"] == {"llama": {"placement": ["pre", "post"]}} and d["removed"] == ["gpt2"]
