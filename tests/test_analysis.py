@@ -245,3 +245,30 @@ def test_residual_growth_reads_the_stream_after_the_last_block():
         handle.remove()
         out = captured["x"][0] if isinstance(captured["x"], tuple) else captured["x"]
         assert row.residual_rms_last == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
+
+
+def test_plot_profile_rows_stacks_one_panel_per_metric_with_one_legend():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import pandas as pd
+
+    df = pd.DataFrame({"layer": [0, 1, 0, 1], "placement": ["pre", "pre", "post", "post"],
+                       "residual_rms": [1.0, 2.0, 1.0, 1.0], "grad_norm": [0.5, 0.4, 0.3, 0.2]})
+    fig = analysis.plot_profile_rows(df, ("residual_rms", "grad_norm"), by="placement", title="t")
+    axes = fig.get_axes()
+    assert len(axes) == 2 and all(a.get_legend() is None for a in axes)
+    assert axes[0].get_position().y0 > axes[1].get_position().y1  # stacked, not side by side
+    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["pre", "post"]
+
+
+def test_full_table_keeps_long_cells_and_stable_html():
+    import pandas as pd
+
+    from normtools.book.notebook import full_table
+
+    df = pd.DataFrame({"value": ["x" * 80, "short"]}, index=["a", "b"])
+    assert "x" * 80 not in df._repr_html_()  # what a displayed DataFrame shows: a cut cell
+    html = full_table(df, "card").to_html()
+    assert "x" * 80 in html and "short" in html
+    assert html == full_table(df, "card").to_html()

@@ -46,6 +46,7 @@ __all__ = [
     "tinylm_config_from_spec", "block_equation_from_spec", "norm_legend", "tiny_hf_model",
     "forced_flags", "family_default_config",
     "statistic_footprint", "draw_statistic_footprint", "residual_growth", "growth_exponent",
+    "plot_profile_rows",
 ]
 
 
@@ -373,3 +374,28 @@ def growth_exponent(depths, values) -> float:
         raise ValueError("growth_exponent needs at least two different depths")
     x, y = x - x.mean(), y - y.mean()
     return float((x * y).sum() / (x * x).sum())
+
+
+def plot_profile_rows(df, metrics, by: str, title: str, width: float = 4.5):
+    """``normtools.lab.probes.plot_depth_profile`` laid out for a phone: one panel per metric,
+    stacked, log scale, one shared legend under the panels instead of one over each. Returns
+    the figure."""
+    import matplotlib.pyplot as plt
+
+    from normtools.lab import probes
+
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(width, 2.4 * len(metrics) + 1.2),
+                             sharex=True)
+    probes.plot_depth_profile(df, metrics=metrics, by=by, ax=list(axes), logy=True)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for axis in axes:
+        if axis.get_legend() is not None:
+            axis.get_legend().remove()
+        axis.yaxis.label.set_size(9)
+    for axis in axes[:-1]:
+        axis.set_xlabel("")
+    fig.suptitle(title, fontsize=11)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, title=by,
+               title_fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.11 if len(labels) > 2 else 0.07, 1, 1))
+    return fig

@@ -85,3 +85,13 @@ def environment_versions(packages: tuple[str, ...] = REPORTED_PACKAGES) -> dict[
         except importlib.metadata.PackageNotFoundError:
             versions[name] = "not installed"
     return versions
+
+
+def full_table(df, name: str):
+    """``df`` as an HTML table with every cell in full (a plain DataFrame's HTML cuts cells at
+    ``display.max_colwidth`` characters), for tables of long strings such as norm cards.
+
+    The returned Styler's element ids are fixed by ``name``, so the stored HTML is the same at
+    every run and nbval can compare it. Numbers should be formatted before (strings here).
+    """
+    return df.style.set_uuid(name)
