@@ -347,3 +347,192 @@ def test_events_timer_agrees_with_do_bench_on_a_large_copy():
     events, _ = bench.copy_bandwidth("cuda", nbytes=2**29, timer="events")
     triton_timer, _ = bench.copy_bandwidth("cuda", nbytes=2**29, timer="do_bench")
     assert events == pytest.approx(triton_timer, rel=0.25)
+
+
+# ----------------------------------------------------------------- the cases of a GPU run
+
+from normtools.measure.bench import cases as bench_cases
+
+
+def test_synthetic_cases_move_at_least_256_mib_and_no_more_rows_than_needed():
+    dtype = torch.bfloat16
+    plan = bench_cases.gpu_run_cases(dtype)
+    synthetic = [c for c in plan if c.phase != "real shapes"]
+    assert synthetic
+    for c in synthetic:
+        moved = bench.bytes_moved(c.op, c.shape, dtype)
+        assert moved >= 2**28, c
+        key = "T" if c.op in bench.QK_OPS else "M"
+        smaller = {**c.shape, key: c.shape[key] - 64}
+        assert bench.bytes_moved(c.op, smaller, dtype) < 2**28, c   # M scaled, not padded
+    first = [c for c in plan if c.phase == "first pass"]
+    assert plan[:len(first)] == first   # the first pass runs first
+    assert {(c.op, c.shape.get("N")) for c in first if c.op != "qk_norm_per_head"} == {
+        (op, n) for op in ("rms_norm", "rms_norm_fwd_bwd") for n in (2048, 8192, 32768, 131072)}
+    assert any(c.op == "qk_norm_per_head" for c in first)
+    # the sweep does not repeat a first-pass case
+    keys = [(c.op, tuple(c.shape.items())) for c in synthetic]
+    assert len(keys) == len(set(keys))
+
+
+def _norm_weight_shapes(model):
+    """{module name suffix: weight shape} of layer 0's norms, read off the transformers model."""
+    shapes = {}
+    for name, p in model.named_parameters():
+        if ".layers.0." in name and "norm" in name:
+            shapes[name.split(".layers.0.")[1]] = tuple(p.shape)
+    return shapes
+
+
+def test_real_shape_cases_are_the_bundled_models_layouts():
+    """Each model's real-shape cases against the norm weights of its own transformers model
+    (meta device): the block norm's N, and QK-Norm's head_dim (per head) or heads · head_dim
+    (per layer)."""
+    from normtools import cards
+
+    plan = bench_cases.real_shape_cases(prefill_tokens=8192, decode_batch=64)
+    for name in cards.bundled_configs():
+        model = cards.build_model(cards.load_bundled_config(name), device="meta")
+        weights = _norm_weight_shapes(model)
+        mine = [c for c in plan if name in c.models]
+        hidden = weights["input_layernorm.weight"] if "input_layernorm.weight" in weights \
+            else weights["post_attention_layernorm.weight"]
+        for c in mine:
+            if c.op in bench.ROW_OPS:
+                assert (c.shape["N"],) == hidden, (name, c)
+            else:
+                q_norm, k_norm = weights["self_attn.q_norm.weight"], weights["self_attn.k_norm.weight"]
+                if c.op == "qk_norm_per_head":
+                    assert (c.shape["D"],) == q_norm == k_norm, (name, c)
+                else:
+                    assert (c.shape["Hq"] * c.shape["D"],) == q_norm, (name, c)
+                    assert (c.shape["Hk"] * c.shape["D"],) == k_norm, (name, c)
+        qk = {c.op for c in mine} & set(bench.QK_OPS)
+        assert bool(qk) == ("self_attn.q_norm.weight" in weights), name
+        regimes = {(c.regime, c.cache, c.batch, c.tokens_per_sequence) for c in mine}
+        assert regimes == {("prefill", "rotated", 1, 8192), ("decode", "warm", 64, 1),
+                           ("decode", "rotated", 64, 1)}, name
+        assert {c.shape.get("M", c.shape.get("T")) for c in mine} == {8192, 64}
+
+
+def test_budget_is_all_or_nothing_per_case_and_conditions_per_row(monkeypatch):
+    from normtools.measure.bench import sweep
+
+    plan = [bench_cases.Case("first pass", "rms_norm", {"M": 32, "N": 64}),
+            bench_cases.Case("real shapes", "rms_norm", {"M": 8, "N": 64}, cache="warm",
+                             regime="decode", models=("m",), batch=8, tokens_per_sequence=1),
+            bench_cases.Case("sweep", "layer_norm", {"M": 16, "N": 64})]
+    fake = {0: 1.0, 1: 100.0, 2: 0.5}   # the second case cannot fit a 10 s budget
+    monkeypatch.setattr(sweep, "estimate_seconds",
+                        lambda cases, *a, **k: [(c, fake[i]) for i, c in enumerate(cases)])
+    data = bench.run_sweep("cpu", torch.float32, cases=plan, warmup=1, reps=3, budget_s=10.0,
+                           backends=["normtools-torch", "torch-F"], log=lambda msg: None)
+    rows = data["results"]
+    assert len(rows) == 6 and len({tuple(r) for r in rows}) == 1
+    by_case = {}
+    for r in rows:
+        by_case.setdefault((r["phase"], r["op"]), set()).add(r["status"])
+    assert by_case == {("first pass", "rms_norm"): {"ok"}, ("real shapes", "rms_norm"): {"skipped"},
+                       ("sweep", "layer_norm"): {"ok"}}
+    skipped = [r for r in rows if r["status"] == "skipped"]
+    assert all("budget" in r["reason"] for r in skipped)
+    warm = [r for r in rows if r["cache"] == "warm"]
+    assert {r["regime"] for r in warm} == {"decode"} and warm[0]["models"] == ["m"]
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert all(r["first_call_s"] is not None and r["first_call_s"] >= 0 for r in ok)
+    assert all(r["n_buffer_sets"] >= 4 for r in ok)   # rotated cases
+    assert data["conditions"]["concurrency"] == "one process, one stream"
+
+
+def test_warm_cases_call_one_input_set():
+    plan = [bench_cases.Case("real shapes", "rms_norm", {"M": 8, "N": 64}, cache="warm")]
+    data = bench.run_sweep("cpu", torch.float32, cases=plan, warmup=1, reps=3,
+                           backends=["torch-F"], log=lambda msg: None)
+    (row,) = data["results"]
+    assert row["status"] == "ok" and row["n_buffer_sets"] == 1 and row["cache"] == "warm"
+
+
+def test_estimate_and_plan_rows_follow_the_budget():
+    plan = bench_cases.first_pass_cases(torch.bfloat16)
+    backends = ["normtools-triton", "torch-compile"]
+    est = bench_cases.estimate_seconds(plan, backends, warmup=10, reps=300)
+    assert [c for c, _ in est] == plan and all(s > 0 for _, s in est)
+    assert est[0][1] > est[1][1]   # the first compile of each backend costs more
+    rows = bench_cases.plan_rows(plan, backends, warmup=10, reps=300, budget_s=est[0][1] + 1e-9)
+    assert [r["runs"] for r in rows][:2] == [True, False]
+    assert rows[0]["MiB"] >= 256
+
+
+def test_commit_from_the_environment(monkeypatch):
+    from normtools.measure import sysinfo
+
+    monkeypatch.setenv("NORMTOOLS_COMMIT", "0123abc")
+    assert sysinfo.run_conditions("cpu")["normtools_commit"] == "0123abc"
+
+
+def test_liger_is_called_as_its_benchmark_does(monkeypatch):
+    """in_place=True (Liger's default, which its benchmark uses) for RMSNorm and fused add."""
+    import types
+
+    from normtools.measure.bench import backends
+
+    calls = []
+    functional = types.SimpleNamespace(
+        liger_rms_norm=lambda x, w, eps, in_place: calls.append(("rms", in_place)) or x,
+        liger_layer_norm=lambda x, w, b, eps: x,
+        liger_fused_add_rms_norm=lambda x, r, w, eps, in_place: calls.append(("add", in_place)) or x)
+    monkeypatch.setattr(backends, "import_module", lambda name: functional)
+    monkeypatch.setattr(backends.util, "find_spec", lambda name: object())
+    ops = backends._liger_ops("cuda", head_dim=4)
+    t = {"x": torch.ones(2, 4), "residual": torch.ones(2, 4), "w": torch.ones(4)}
+    ops["rms_norm"](t)
+    ops["add_rms_norm"](t)
+    assert calls == [("rms", True), ("add", True)]
+
+
+def _fake_liger_wheel(folder):
+    """A minimal pure-Python wheel named liger_kernel (the real one is carried, not committed)."""
+    import zipfile
+
+    wheel = folder / "liger_kernel-0.0.1-py3-none-any.whl"
+    files = {"liger_kernel/__init__.py": "", "liger_kernel/transformers/__init__.py": "",
+             "liger_kernel/transformers/functional.py": "def liger_rms_norm(*a, **k):\n    pass\n",
+             "liger_kernel-0.0.1.dist-info/METADATA":
+                 "Metadata-Version: 2.1\nName: liger_kernel\nVersion: 0.0.1\n",
+             "liger_kernel-0.0.1.dist-info/WHEEL":
+                 "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = "".join(f"{name},,\n" for name in files) + "liger_kernel-0.0.1.dist-info/RECORD,,\n"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr("liger_kernel-0.0.1.dist-info/RECORD", record)
+    return wheel
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run of the script")
+def test_gpu_check_dry_run_walks_every_step(tmp_path):
+    """--dry-run on the CPU: Liger installed from a wheel without the network, the test files
+    collected with nbformat made unimportable, the plan with every synthetic case ≥ 256 MiB and
+    a time estimate within the budget, and the output files named."""
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_IMPORT": "shim",
+           "GPU_CHECK_TESTS": "tests/test_bench.py tests/test_parity.py",
+           "LIGER_WHEEL": str(_fake_liger_wheel(tmp_path)), "NORMTOOLS_COMMIT": "feedbee"}
+    run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], env=env, cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    log = run.stdout + run.stderr
+    assert run.returncode == 0, log[-4000:]
+    assert "liger_kernel imports: liger_kernel.transformers.functional" in log
+    assert "| commit feedbee" in log
+    collect = (out / "pytest-collect.log").read_text()
+    assert re.search(r"\d+/\d+ tests collected", collect) and "error" not in collect.lower()
+    plan = (out / "bench-plan.txt").read_text()
+    smallest = float(re.search(r"smallest synthetic case: ([\d.]+) MiB", plan).group(1))
+    assert smallest >= 256
+    assert "first pass" in plan and "real shapes" in plan and "decode" in plan
+    total, budget, started = re.search(
+        r"estimated total (\d+) s; budget (\d+) s: (\d+) of \d+ cases start", plan).groups()
+    assert int(started) > 0
+    for name in ("pytest-gpu.xml", "bench-h200.json", "model-h200.json", "summary.md"):
+        assert name in log
+    assert "full-width stack: 4 layers, hidden 4096" in log

@@ -80,8 +80,14 @@ def nvidia_driver_version():
 
 def source_commit():
     """The git commit (short hash, "+dirty" when the tree has changes) of the normtools source
-    tree, or None when it is not a git checkout."""
-    root = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    tree, or None when it is not a git checkout.
+
+    ``NORMTOOLS_COMMIT``, when set, is returned as it is: a copy of the tree without its ``.git``
+    (what a lent GPU machine receives) is told its commit by whoever copied it.
+    """
+    if os.environ.get("NORMTOOLS_COMMIT"):
+        return os.environ["NORMTOOLS_COMMIT"]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
     try:
         head = subprocess.run(["git", "-C", root, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True, timeout=20, check=True)

@@ -7,7 +7,9 @@ from pathlib import Path
 
 import torch
 
+from normtools.measure.bench.cases import gpu_run_cases, plan_rows
 from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS
+from normtools.measure.bench.backends import default_backends
 from normtools.measure.bench.report import markdown_summary
 from normtools.measure.bench.results import _read_json
 from normtools.measure.bench.sweep import run_sweep
@@ -31,6 +33,17 @@ def _add_arguments(parser):
                         help=f"backends to run (default: all that apply to the device): "
                              f"{', '.join(BACKENDS)}")
     parser.add_argument("--quick", action="store_true", help="one tiny shape per op, 3 samples")
+    parser.add_argument("--cases", choices=("default", "gpu-run"), default="default",
+                        help="default: the device's default shapes; gpu-run: a first pass of "
+                             "the target ops, the bundled models' real shapes (prefill and "
+                             "decode), then the full sweep, each synthetic case ≥ 256 MiB")
+    parser.add_argument("--phases", nargs="+", metavar="PHASE",
+                        default=["first pass", "real shapes", "sweep"],
+                        help="with --cases gpu-run: which of 'first pass', 'real shapes', "
+                             "'sweep' to run")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the plan (cases, bytes, estimated time against --budget-s) "
+                             "and exit; times nothing")
     parser.add_argument("--warmup", type=int, help="warm-up samples")
     parser.add_argument("--reps", type=int, help="timed samples")
     parser.add_argument("--timer", choices=sorted(TIMERS),
@@ -46,8 +59,42 @@ def _add_arguments(parser):
                         help="only print the Markdown summary of an existing results file")
 
 
+def _dry_run(args, device, dtype):
+    """The plan of a run, printed as a table; the estimate assumes an H200 on CUDA."""
+    cases = gpu_run_cases(_DTYPES[dtype], ops=args.ops, phases=args.phases) \
+        if args.cases == "gpu-run" else None
+    if cases is None:
+        from normtools.measure.bench.cases import Case
+        from normtools.measure.bench.plan import default_shapes
+        shapes = default_shapes(device, args.quick)
+        cases = [Case("sweep", op, shape) for op in args.ops for shape in shapes[op]]
+    backends = args.backends or [b for b, why in default_backends(device).items() if why is None]
+    warmup, reps = (args.warmup or 10, args.reps or 300)
+    rows = plan_rows(cases, backends, warmup=warmup, reps=reps, budget_s=args.budget_s,
+                     dtype=_DTYPES[dtype])
+    print(f"dry run: {len(rows)} cases on {device} ({dtype}), backends {', '.join(backends)}; "
+          f"{warmup} warm-up + {reps} samples each")
+    print(f"{'phase':<12} {'op':<18} {'shape':<26} {'cache':<7} {'regime':<7} {'MiB':>7} "
+          f"{'est s':>6} {'runs':>5}")
+    for r in rows:
+        print(f"{r['phase']:<12} {r['op']:<18} {r['shape']:<26} {r['cache']:<7} "
+              f"{r['regime']:<7} {r['MiB']:7.1f} {r['estimate_s']:6.1f} {'yes' if r['runs'] else 'no':>5}")
+    synthetic = [r for r in rows if r["phase"] != "real shapes"]
+    print(f"smallest synthetic case: {min((r['MiB'] for r in synthetic), default=0):.1f} MiB")
+    total = sum(r["estimate_s"] for r in rows)
+    fitting = sum(r["runs"] for r in rows)
+    budget = "no budget" if args.budget_s is None else f"budget {args.budget_s:.0f} s"
+    print(f"estimated total {total:.0f} s; {budget}: {fitting} of {len(rows)} cases start")
+    print(f"would write: {args.out or '(no results file)'}, {args.summary or '(no summary)'}")
+    return 0
+
+
 def run_cli(args):
     """Entry point of ``normtools bench``; returns the exit code."""
+    if args.dry_run:
+        device = "cuda" if args.device == "auto" else args.device
+        is_cuda = torch.device(device).type == "cuda"
+        return _dry_run(args, device, args.dtype or ("bfloat16" if is_cuda else "float32"))
     if args.report:
         text = markdown_summary(_read_json(args.report))
     else:
@@ -63,7 +110,9 @@ def run_cli(args):
         if args.threads:
             torch.set_num_threads(args.threads)
         try:
-            data = run_sweep(device, dtype, ops=args.ops, backends=args.backends,
+            cases = gpu_run_cases(_DTYPES[dtype], ops=args.ops, phases=args.phases) \
+                if args.cases == "gpu-run" else None
+            data = run_sweep(device, dtype, ops=args.ops, backends=args.backends, cases=cases,
                              warmup=args.warmup, reps=args.reps, quick=args.quick,
                              timer=args.timer, budget_s=args.budget_s, out_path=args.out)
         except ValueError as exc:  # options that do not fit together

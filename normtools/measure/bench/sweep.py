@@ -8,7 +8,8 @@ import torch
 
 from normtools.measure import sysinfo
 from normtools.measure.bench.backends import Unavailable, backend_fn, default_backends
-from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS, default_shapes, shape_label
+from normtools.measure.bench.cases import Case, estimate_seconds
+from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS, default_shapes, make_inputs, shape_label
 from normtools.measure.bench.results import _write_json
 from normtools.measure.bench.timing import (_DEFAULT_REPS, _QUICK_REPS, TIMERS, _cache_bytes, _max_abs_diff,
                                             copy_bandwidth, input_sets, rotating_calls, summarize, time_calls)
@@ -25,32 +26,40 @@ def _skip_or_error(backend, exc):
 
 
 _MEASURED = ("p50_us", "p95_us", "p99_us", "mean_us", "min_us", "gbs_p50", "pct_of_copy_bw",
-             "n_buffer_sets", "calls_per_sample", "max_abs_diff")
+             "n_buffer_sets", "calls_per_sample", "max_abs_diff", "first_call_s")
+_CASE_KEYS = tuple(Case("sweep", "rms_norm", {}).conditions())
 
 
-def _row(op, backend, shape, dtype, status="ok", reason=""):
-    """A result row; the measured fields stay None unless the case runs."""
+def _row(op, backend, shape, dtype, status="ok", reason="", case=None):
+    """A result row; the measured fields stay None unless the case runs. ``case`` (a
+    ``cases.Case``) adds its conditions: phase, cache, regime, models, batch, tokens."""
+    conditions = case.conditions() if case is not None else dict.fromkeys(_CASE_KEYS)
     return {"op": op, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
             "shape": dict(shape), "bytes": bytes_moved(op, shape, dtype), "status": status,
-            "reason": reason, **dict.fromkeys(_MEASURED)}
+            "reason": reason, **conditions, **dict.fromkeys(_MEASURED)}
 
 
 def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, check=None,
-               timer=None):
+               timer=None, case=None):
     """Time one (op, backend, shape) over the rotated input ``sets``.
 
     Returns (row, output on ``sets[0]`` or None). ``check``: another backend's output on
     ``sets[0]``; the row then records ``max_abs_diff`` of the first output tensor against it
-    (a fast but wrong kernel shows here).
+    (a fast but wrong kernel shows here). ``first_call_s`` is the wall time of the first call,
+    measured apart from the samples: a compile (torch.compile) or JIT (Triton) at a new shape.
     """
     dtype = next(iter(sets[0].values())).dtype
-    row = _row(op, backend, shape, dtype)
+    row = _row(op, backend, shape, dtype, case=case)
     try:
         fn = backend_fn(op, backend, device, shape)
     except Unavailable as exc:
         return {**row, "status": "skipped", "reason": str(exc)}, None
     try:
+        t0 = time.perf_counter()
         out = fn(sets[0])
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize(device)
+        row["first_call_s"] = time.perf_counter() - t0
         if check is not None:
             row["max_abs_diff"] = _max_abs_diff(out, check)
         times, group = time_calls(rotating_calls(fn, sets), device, warmup, reps, timer)
@@ -67,22 +76,27 @@ def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, chec
 # ------------------------------------------------------------------------------------- sweep
 
 def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shapes=None,
-              warmup=None, reps=None, timer=None, quick=False, budget_s=None, out_path=None,
-              log=None):
+              cases=None, warmup=None, reps=None, timer=None, quick=False, budget_s=None,
+              out_path=None, log=None, concurrency="one process, one stream"):
     """Run the benchmark sweep; returns the results dict (also written to ``out_path``).
 
     ``backends``: names to run; default ``default_backends(device)`` (on CPU without
-    normtools-triton). ``shapes``: {op: [shape, ...]}, default ``default_shapes``. ``timer``:
-    see ``time_calls``. ``budget_s``: stop starting new cases after this many seconds (the rest
-    are recorded as skipped). ``out_path``: the JSON is rewritten after every case, so an
-    interrupted run keeps its rows.
+    normtools-triton). ``cases``: a list of ``cases.Case`` (e.g. ``cases.gpu_run_cases()``), run
+    in order; otherwise ``shapes``, {op: [shape, ...]} (default ``default_shapes``), each shape a
+    "sweep" case with rotated inputs. ``timer``: see ``time_calls``. ``budget_s``: a case starts
+    only if its estimated time (``cases.estimate_seconds`` at the copy bandwidth measured here)
+    still fits in the budget, and then runs on every backend: a shape is all or nothing, so no
+    ratio lacks its other side; the cases left out are recorded as skipped. ``out_path``: the
+    JSON is rewritten after every row, so an interrupted run keeps its rows. ``concurrency``:
+    recorded in the conditions (the harness runs one process on one stream).
 
-    The dict: {"conditions": {run conditions, dtype, warmup, reps, rotation, timer},
-    "copy_bandwidth_gbs": float, "copy": {...}, "results": [row, ...]}; a row has op, backend,
-    dtype, shape, bytes, status ("ok", "skipped", "error"), reason, and the measured fields
-    p50_us, p95_us, p99_us, mean_us, min_us, gbs_p50, pct_of_copy_bw, n_buffer_sets,
-    calls_per_sample and max_abs_diff (against the first backend that ran, normtools-torch when
-    it runs), None where the case did not run.
+    The dict: {"conditions": {run conditions, dtype, warmup, reps, rotation, timer,
+    concurrency}, "copy_bandwidth_gbs": float, "copy": {...}, "results": [row, ...]}; a row has
+    op, backend, dtype, shape, bytes, status ("ok", "skipped", "error"), reason, the case's
+    conditions (phase, cache, regime, models, batch, tokens_per_sequence), and the measured
+    fields p50_us, p95_us, p99_us, mean_us, min_us, gbs_p50, pct_of_copy_bw, n_buffer_sets,
+    calls_per_sample, max_abs_diff (against the first backend that ran, normtools-torch when
+    it runs) and first_call_s, None where the case did not run.
     """
     device = str(device)
     kind = torch.device(device).type
@@ -90,54 +104,70 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
     default_warmup, default_reps = _QUICK_REPS if quick else _DEFAULT_REPS[kind]
     warmup = default_warmup if warmup is None else warmup
     reps = default_reps if reps is None else reps
-    shapes = shapes or default_shapes(device, quick)
+    if set(ops) - set(OPS):
+        raise ValueError(f"unknown ops {sorted(set(ops) - set(OPS))}; expected some of {list(OPS)}")
+    if cases is None:
+        shapes = shapes or default_shapes(device, quick)
+        cases = [Case("sweep", op, shape) for op in ops for shape in shapes[op]]
+    else:
+        cases = [c for c in cases if c.op in ops]
     defaults = default_backends(device)
     selected = {b: (defaults[b] if backends is None else None)
                 for b in (BACKENDS if backends is None else backends)}
     unknown = set(selected) - set(BACKENDS)
     if unknown:
         raise ValueError(f"unknown backends {sorted(unknown)}; expected some of {list(BACKENDS)}")
-    if set(ops) - set(OPS):
-        raise ValueError(f"unknown ops {sorted(set(ops) - set(OPS))}; expected some of {list(OPS)}")
     # The reference backend first, so that the others are checked against its output.
     order = sorted(selected, key=lambda b: b != "normtools-torch")
+    running = [b for b in order if selected[b] is None]
     cache_bytes = _cache_bytes(device)
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
 
     copy_gbs, copy_stats = copy_bandwidth(device, nbytes=64 * 2**20 if quick else None,
                                           warmup=warmup, reps=reps, timer=timer)
     log(f"copy bandwidth: {copy_gbs:.1f} GB/s")
+    estimates = estimate_seconds(cases, running, warmup=warmup, reps=reps, dtype=dtype,
+                                 bandwidth_gbs=copy_gbs, cache_bytes=cache_bytes)
     data = {
         "conditions": {
             **sysinfo.run_conditions(device), "dtype": str(dtype).removeprefix("torch."),
             "warmup": warmup, "reps": reps, "quick": quick, "cache_bytes": cache_bytes,
             "rotate_buffers": "input sets rotated until they total ≥ 2× cache_bytes (≥ 4 sets, "
-                              "capped by memory); per-row count in n_buffer_sets",
+                              "capped by memory); per-row count in n_buffer_sets; rows with "
+                              "cache 'warm' call one input set again and again",
             "timer": TIMERS[timer or ("events" if kind == "cuda" else "wall")],
+            "concurrency": concurrency,
             "bytes_model": "minimum bytes: inputs read once, outputs written once "
                            "(normtools.measure.bench.bytes_moved)",
         },
         "copy_bandwidth_gbs": copy_gbs, "copy": copy_stats, "results": [],
     }
     start = time.monotonic()
-    for op in ops:
-        for shape in shapes[op]:
-            check, sets = None, None
-            for backend in order:
-                reason = selected[backend]
-                if reason is None and budget_s is not None and time.monotonic() - start >= budget_s:
-                    reason = f"time budget of {budget_s:.0f} s exhausted before this case"
-                if reason is not None:
-                    row = _row(op, backend, shape, dtype, "skipped", reason)
-                else:
-                    sets = sets or input_sets(op, shape, dtype, device, cache_bytes)
-                    row, out = bench_case(op, backend, shape, sets, device, warmup=warmup,
-                                          reps=reps, copy_gbs=copy_gbs, check=check, timer=timer)
-                    check = out if check is None else check
-                data["results"].append(row)
-                log(_row_line(row))
-                if out_path is not None:
-                    _write_json(data, out_path)
+    for case, estimate in estimates:
+        op, shape = case.op, case.shape
+        elapsed = time.monotonic() - start
+        over = budget_s is not None and elapsed + estimate > budget_s
+        check, sets = None, None
+        for backend in order:
+            reason = selected[backend]
+            if reason is None and over:
+                reason = (f"time budget of {budget_s:.0f} s: {elapsed:.0f} s spent, this case "
+                          f"needs about {estimate:.0f} s")
+            if reason is not None:
+                row = _row(op, backend, shape, dtype, "skipped", reason, case=case)
+            else:
+                if sets is None:
+                    sets = ([make_inputs(op, shape, dtype, device)] if case.cache == "warm"
+                            else input_sets(op, shape, dtype, device, cache_bytes))
+                row, out = bench_case(op, backend, shape, sets, device, warmup=warmup,
+                                      reps=reps, copy_gbs=copy_gbs, check=check, timer=timer,
+                                      case=case)
+                check = out if check is None else check
+            data["results"].append(row)
+            log(_row_line(row))
+            if out_path is not None:
+                _write_json(data, out_path)
+        del sets, check
     return data
 
 

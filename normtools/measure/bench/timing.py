@@ -14,7 +14,8 @@ from normtools.measure.bench.plan import make_inputs
 _MIN_SAMPLE_US = 20.0        # CUDA: a sample groups calls until it lasts about this long
 _ROTATION_BUDGET = {"cuda": 8 * 2**30, "cpu": 512 * 2**20}   # bytes of rotated input sets
 _COPY_BYTES = {"cuda": 2**30, "cpu": 128 * 2**20}
-_DEFAULT_REPS = {"cuda": (10, 100), "cpu": (5, 30)}           # (warm-up samples, samples)
+# (warm-up samples, samples); ≥ 300 samples on CUDA, so that the p99 rests on three of them
+_DEFAULT_REPS = {"cuda": (10, 300), "cpu": (5, 30)}
 _QUICK_REPS = (1, 3)
 # ------------------------------------------------------------------------------------ timing
 
