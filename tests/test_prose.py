@@ -20,7 +20,7 @@ BOOK = ROOT / "book"
 # Multi-word model names whose number is part of the name (one-word names such as Qwen3-8B,
 # GPT-2 or bfloat16 are letters with digits attached, allowed by the last pattern below).
 MODEL_NAMES = ("OLMo 2", "Llama 3", "Llama 2", "Gemma 2 and 3", "Gemma 2", "Gemma 3", "Phi 2",
-               "Command R", "Command A", "Qwen 3", "Triton 3")
+               "Command R", "Command A", "Qwen 3", "Triton 3", "Llama 4")
 
 _REMOVED = [
     re.compile(r"```[^\n]*\n.*?```", re.S),                 # fenced blocks: code, mermaid, directives
@@ -32,7 +32,7 @@ _REMOVED = [
     re.compile(r"^\(([\w-]+)\)=\s*$", re.M),                # labels
     re.compile(r"\]\([^)]*\)"),                             # link targets
     re.compile(r"<[^>\n]+>"),                               # HTML tags
-    re.compile(r"“[^”]*”|\"[^\"\n]*\""),                    # direct quotations of a source
+    re.compile(r"“[^”]{0,400}”|\"[^\"]{0,400}\""),            # direct quotations of a source
     re.compile(r"^#+\s+\d+[a-z]?\.", re.M),                 # chapter numbers in titles
     re.compile(r"^\s*\d+\.\s", re.M),                       # numbered lists
     re.compile(r"\b(?:1[89]|20)\d\d[a-z]?\b"),              # years
