@@ -27,7 +27,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: all setup lock book execute html diagrams test unit nbval nbval-perturbed notebooks clean
+.PHONY: all setup lock book execute html diagrams colab test unit nbval nbval-perturbed notebooks clean
 
 all: test book
 
@@ -81,12 +81,19 @@ html: $(STAMP) diagrams
 diagrams: $(STAMP)
 	$(VPY) -m normtools.book.diagrams
 
-# Refresh the outputs stored in book/*.ipynb (then review and commit them).
+# Refresh the outputs stored in book/*.ipynb and the Colab edition made from them (then review
+# and commit both).
 notebooks: $(STAMP)
 	set -e; for nb in $(CHAPTERS); do \
 	  echo "executing $$nb in place"; \
 	  $(VPY) -m normtools.book.build execute $$nb $$nb --cell-timeout $(CELL_TIMEOUT) --times $(CHAPTER_TIMES); \
 	done
+	$(MAKE) colab
+
+# The Colab edition colab/book/*.ipynb, from the stored chapters (roles resolved, includes inlined,
+# diagrams as images); tests/test_colab.py checks that it is in sync.
+colab: $(STAMP)
+	$(VPY) -m normtools.book.colab
 
 # --- tests ------------------------------------------------------------------------------
 NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \

@@ -124,13 +124,15 @@ def test_every_stored_figure_is_on_its_page(site):
         assert shown >= figures, f"{notebook.name}: {figures} figures stored, {shown} on the page"
 
 
-def test_colab_buttons_point_at_the_notebooks_in_the_repository(site):
+def test_colab_buttons_point_at_the_colab_edition_in_the_repository(site):
     repository = CONFIG["repository"]
     owner_repo = urlsplit(repository["url"]).path.strip("/")
     for notebook in CHAPTER_NOTEBOOKS:
         relative = notebook.relative_to(ROOT).as_posix()
+        edition = f"{repository['path_to_book']}/{relative}"          # colab/book/<chapter>.ipynb
+        assert (ROOT / edition).exists(), f"no Colab edition {edition}: run `make colab`"
         expected = (f"{CONFIG['launch_buttons']['colab_url']}/github/{owner_repo}/blob/"
-                    f"{repository['branch']}/{relative}")
+                    f"{repository['branch']}/{edition}")
         page = (site / relative).with_suffix(".html").read_text(encoding="utf-8")
         assert expected in page, f"{relative}: no Colab button to {expected}"
         first_code_cell = next(c for c in json.loads(notebook.read_text())["cells"] if c["cell_type"] == "code")
