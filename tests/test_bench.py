@@ -536,3 +536,19 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     for name in ("pytest-gpu.xml", "bench-h200.json", "model-h200.json", "summary.md"):
         assert name in log
     assert "full-width stack: 4 layers, hidden 4096" in log
+
+
+def test_targets_report_keeps_warm_and_rotated_decode_apart():
+    decode = {"M": 64, "N": 4096}
+    def row(backend, p50, cache, pct=10.0):
+        return {**_row("rms_norm", backend, decode, p50, pct=pct), "phase": "real shapes",
+                "regime": "decode", "cache": cache}
+    data = {"conditions": {"device": "cuda"}, "results": [
+        row("normtools-triton", 5.0, "warm"), row("torch-compile", 4.0, "warm"),
+        row("normtools-triton", 6.0, "rotated"), row("torch-compile", 9.0, "rotated")]}
+    report = {r["shape"]: r for r in bench.targets_report(data)}
+    assert set(report) == {"M=64 N=4096, decode, warm", "M=64 N=4096, decode, rotated"}
+    assert report["M=64 N=4096, decode, warm"]["passed"] is False
+    assert report["M=64 N=4096, decode, rotated"]["passed"] is True
+    # no bandwidth target on a launch-bound real shape
+    assert all(r["target"].startswith("speedup") for r in report.values())
