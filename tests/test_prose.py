@@ -5,7 +5,7 @@ a number typed by hand, unless it is one of the allowed kinds below: a year, a c
 figure or step number, a citation, math, code, a label, a model or dtype name ("OLMo 2",
 "Qwen3-8B", "bfloat16"), list numbering, or a direct quotation of a source. Cross-references:
 every ``{ref}`` label exists, every ``{doc}`` target exists, and each glossary entry's chapter
-mentions the term.
+mentions the term. Names: every `normtools.…` name in the prose exists in the package.
 """
 
 import re
@@ -152,3 +152,33 @@ def test_each_glossary_entry_points_to_a_chapter_that_mentions_it():
     ("prenormal", "pre-norm", False), ("DyT layers", "DyT", True), ("nothing here", "nGPT", False)])
 def test_mentions(text, term, expected):
     assert _mentions(text, term) is expected
+
+
+def _resolves(dotted: str) -> bool:
+    import importlib
+
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[i:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return False
+        return True
+    return False
+
+
+def test_every_normtools_name_in_the_prose_exists():
+    """A name such as `normtools.lab.probes.depth_profile` in the text must be importable, so
+    that a reader who types it finds it (module moves leave stale names behind)."""
+    stale = []
+    for name, cell, text in prose_sources():
+        for dotted in re.findall(r"`(normtools(?:\.\w+)+)(?:\([^`]*\))?`", text):
+            if not _resolves(dotted):
+                where = f"{name} cell {cell}" if cell is not None else name
+                stale.append(f"{where}: {dotted}")
+    assert not stale, "names in the prose that normtools does not have:\n" + "\n".join(stale)
