@@ -135,6 +135,24 @@ def test_diagrams_are_attached_svg_images():
     assert count == source_count > 0
 
 
+def test_cells_the_html_book_hides_are_folded_and_parameters_stay_open():
+    folded = 0
+    for path in CHAPTERS:
+        edition = EDITION / path.name
+        if not edition.exists():
+            continue
+        source = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
+        converted = [c for c in json.loads(edition.read_text())["cells"] if c["cell_type"] == "code"]
+        assert len(source) == len(converted)
+        for before, after in zip(source[1:], converted[1:]):
+            tags = set(before["metadata"].get("tags", []))
+            hidden = bool(tags & {"remove-cell", "remove-input", "hide-input", "hide-cell"}) and "parameters" not in tags
+            assert (after["metadata"].get("cellView") == "form") == hidden, (path.name, before["id"])
+            assert after["source"][hidden:] == before["source"]
+            folded += hidden
+    assert folded > 10
+
+
 def test_launch_buttons_and_readme_point_to_the_edition():
     assert CONFIG["repository"]["path_to_book"] == "colab"
     assert "colab/book/" in (ROOT / "README.md").read_text()

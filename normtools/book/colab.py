@@ -15,7 +15,8 @@ Jupyter and Colab render plain Markdown, so the edition resolves what only Sphin
 * the first code cell (the chapter's Colab setup) → :data:`SETUP_CELL`, which clones the
   repository and installs normtools from it on Colab and does nothing elsewhere.
 
-Code cells and their outputs are kept as executed.
+Code cells and their outputs are kept as executed; those the HTML book hides (setup, glue
+bookkeeping, exercise solutions) are folded in Colab behind a ``#@title``.
 """
 
 from __future__ import annotations
@@ -330,6 +331,20 @@ def _directive(directive, name, argument, fence, body, ctx: _Context) -> list[st
 
 # --------------------------------------------------------------------------- notebooks
 
+#: Cell tags that hide a cell's code in the HTML book; the edition folds those cells in Colab.
+HIDDEN_TAGS = {"remove-cell", "remove-input", "hide-input", "hide-cell"}
+
+
+def _fold(cell: dict) -> None:
+    """Fold a code cell the HTML book hides: Colab shows a cell with a ``#@title`` line in form
+    view as its title only (a click shows the code); elsewhere the line is a comment. The title
+    is the cell's leading comment, or "Show code"."""
+    lines = "".join(cell["source"]).split("\n")
+    title = re.split(r"[.:;]", lines[0].lstrip("# "))[0].strip() if lines[0].startswith("#") else ""
+    cell["source"] = [f"#@title {title or 'Show code'}\n"] + cell["source"]
+    cell["metadata"]["cellView"] = "form"
+
+
 def edition_notebook(path: Path, book: Book) -> dict:
     """The Colab edition of one executed chapter."""
     notebook = copy.deepcopy(json.loads(path.read_text(encoding="utf-8")))
@@ -347,6 +362,10 @@ def edition_notebook(path: Path, book: Book) -> dict:
             first_code = False
             cell["source"] = SETUP_CELL.format(repository=book.repository_url).splitlines(keepends=True)
             cell["outputs"], cell["execution_count"] = [], None
+            _fold(cell)
+        elif (cell["cell_type"] == "code" and HIDDEN_TAGS & set(tags := cell["metadata"].get("tags", []))
+              and "parameters" not in tags):                          # readers change parameters
+            _fold(cell)
     notebook["metadata"]["colab"] = {"name": path.name, "provenance": []}
     return notebook
 
