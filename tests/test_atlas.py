@@ -72,6 +72,11 @@ TRUTH = {
     "stablelm": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, NO_BIAS, N),
     # HunYuan dense: query_layernorm(head_dim) applied after apply_rotary_pos_emb
     "hunyuan_v1_dense": ("rms", 1e-5, 0, N, "llama", "pre", T, "per_head", N, NO_BIAS, N),
+    # EXAONE 4: post_attention/post_feedforward norms on sublayer outputs; q_norm(head_dim), then RoPE
+    "exaone4": ("rms", 1e-5, 0, N, "llama", "post_sublayer", T, "per_head", T, NO_BIAS, N),
+    # MiniMax-01: residual = input_layernorm(x), x = a * residual + b * attn(residual): the residual
+    # stream is the norm's output, as in post-norm
+    "minimax": ("rms", 1e-5, 0, N, "llama", "post", T, "none", None, NO_BIAS, N),
     # BLOOM: LayerNorm, pre-norm, query_key_value and dense biases
     "bloom": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),
     # OPT decoder layer, do_layer_norm_before=True: pre-norm; OPT-350m-style project_out absent
