@@ -382,3 +382,20 @@ def test_diagram_sources_reads_fences_and_directives():
     text = ("x\n```mermaid\nflowchart LR\n  A --> B\n```\n\n```python\nprint(1)\n```\n"
             "````{mermaid}\n:alt: two boxes\ngraph TD\n  C --> D\n````\n")
     assert diagram_sources(text) == ["flowchart LR\n  A --> B", "graph TD\n  C --> D"]
+
+
+@pytest.mark.timeout(300)
+def test_the_second_pass_environment_reaches_the_chapters_kernel(tmp_path):
+    """nbval's kernel inherits the perturbation: a stored output recording it passes only there."""
+    code = ("import torch\nfrom normtools.book.notebook import setup\nsetup(threads=2)\n"
+            "print(torch.backends.cpu.get_cpu_capability(), torch.get_num_threads())")
+    path = tmp_path / "conditions.ipynb"
+    nbformat.write(_notebook([code], outputs=["DEFAULT 1\n"]), path)
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "--nbval", "--nbval-current-env",
+            str(path)]
+    base = {k: v for k, v in os.environ.items() if k not in _perturbed_env()}
+    perturbed = subprocess.run(args, cwd=tmp_path, env={**base, **_perturbed_env()}, capture_output=True,
+                               text=True, timeout=300)
+    assert perturbed.returncode == 0, perturbed.stdout[-2000:]
+    plain = subprocess.run(args, cwd=tmp_path, env=base, capture_output=True, text=True, timeout=300)
+    assert plain.returncode != 0
