@@ -18,6 +18,7 @@ _PUBLIC = {
     # QK-Norm
     "qk_norm": "normtools.core.qk",
     "QKNorm": "normtools.core.qk",
+    "qk_norm_rope": "normtools.core.rope",
     # model norm specs
     "count_parameters": "normtools.cards.params",
     "patch": "normtools.cards.patching",

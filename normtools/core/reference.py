@@ -29,6 +29,9 @@ __all__ = [
     "layer_norm_statistics",
     "layer_norm_reference",
     "layer_norm_backward_reference",
+    "rotate_half",
+    "rope_reference",
+    "rope_backward_reference",
 ]
 
 
@@ -153,3 +156,31 @@ def layer_norm_backward_reference(dy, x, weight, bias, mean, rstd):
     dw = None if weight is None else (dy32 * x_hat).reshape(-1, n).sum(0).to(weight.dtype)
     db = None if bias is None else dy32.reshape(-1, n).sum(0).to(bias.dtype)
     return dx.to(x.dtype), dw, db
+
+
+def rotate_half(x):
+    """(x₁, x₂) ↦ (−x₂, x₁) over the two halves of the last dimension (transformers' form)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_reference(x, cos, sin):
+    """Rotary position embedding of one tensor, with the operations and order of transformers'
+    ``apply_rotary_pos_emb`` (so that it equals it bit for bit):
+
+        RoPE(x) = x · cos + rotate_half(x) · sin
+
+    in PyTorch's promoted dtype of x, cos and sin (each product and the sum rounded to it).
+    ``cos`` and ``sin`` broadcast against x (e.g. (T, 1, D) for x of shape (T, H, D)).
+    """
+    return (x * cos) + (rotate_half(x) * sin)
+
+
+def rope_backward_reference(dout, cos, sin):
+    """Gradient of ``rope_reference`` with respect to x, in float32 (roundings as identity):
+
+        dx = dout · cos + rotate_halfᵀ(dout · sin),   rotate_halfᵀ(u₁, u₂) = (u₂, −u₁)
+    """
+    u = dout.to(torch.float32) * sin.to(torch.float32)
+    u1, u2 = u.chunk(2, dim=-1)
+    return dout.to(torch.float32) * cos.to(torch.float32) + torch.cat((u2, -u1), dim=-1)

@@ -1,0 +1,257 @@
+"""Fused QK-Norm + RoPE: ``qk_norm_rope``, the norm of ``normtools.qk_norm`` followed by the
+rotary position embedding, forward and backward, one launch for q and k in each direction.
+
+    q_out = RoPE(qk_norm(q)),  k_out = RoPE(qk_norm(k)),  RoPE(y) = y · cos + rotate_half(y) · sin
+
+exactly as Qwen3, Gemma 3 and OLMo 2 compute them in transformers (their q_norm / k_norm, then
+``apply_rotary_pos_emb``): the norm's output is rounded to its dtype, then the rotation is
+computed in PyTorch's promoted dtype of that output and cos / sin, each product and the sum
+rounded (normtools.core.reference.rope_reference); with ``cast_back=True`` the result is cast
+to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``). ``backend="torch"`` runs that reference;
+``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
+``qk_norm_rope_bwd``). The op is the custom op ``normtools::qk_norm_rope_fwd`` (backward
+``normtools::qk_norm_rope_bwd``), with fake implementations for ``torch.compile``.
+
+cos and sin are the rotary tables of the tokens, ``(..., head_dim)`` with the leading (token)
+dimensions of q, or broadcastable to them (e.g. (1, S, D) for a batch); they get no gradient
+(transformers computes them without one) and must not require one.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from normtools._kernels import qk_norm_rope as _k
+from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend
+from normtools.core.qk import (_head_stride, _sum_partials, _torch_backward, _torch_forward,
+                               check_qk_inputs)
+from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
+                                      rope_reference)
+
+__all__ = ["qk_norm_rope"]
+
+Tensor = torch.Tensor
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def check_rope_tables(cos, sin, q, head_dim, token_shape):
+    """cos and sin: tensors of one supported dtype on q's device, last dimension head_dim
+    (even), leading dimensions broadcastable to ``token_shape``, not requiring grad."""
+    for table, name in ((cos, "cos"), (sin, "sin")):
+        if not isinstance(table, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(table).__name__}")
+        if table.dtype not in _TL_DTYPES:
+            raise TypeError(f"{name} has dtype {table.dtype}; supported are "
+                            f"{', '.join(str(d) for d in _TL_DTYPES)}")
+        if table.device != q.device:
+            raise ValueError(f"{name} is on {table.device} but q is on {q.device}")
+        if table.requires_grad:
+            raise ValueError(f"{name} requires grad; qk_norm_rope treats the rotary tables as "
+                             f"constants (compute them under torch.no_grad())")
+        if table.dim() == 0 or table.shape[-1] != head_dim:
+            raise ValueError(f"{name} has shape {tuple(table.shape)}; its last dimension must be "
+                             f"head_dim={head_dim} (the whole head is rotated)")
+        try:
+            torch.broadcast_shapes(table.shape[:-1], token_shape)
+        except RuntimeError:
+            raise ValueError(f"{name} has shape {tuple(table.shape)}; its leading dimensions do "
+                             f"not broadcast to q's token dimensions {tuple(token_shape)}") from None
+        if torch.broadcast_shapes(table.shape[:-1], token_shape) != token_shape:
+            raise ValueError(f"{name} {tuple(table.shape)} would broadcast q's token dimensions "
+                             f"{tuple(token_shape)} to more tokens")
+    if sin.dtype != cos.dtype:
+        raise TypeError(f"sin has dtype {sin.dtype}, expected cos's dtype {cos.dtype}")
+    if head_dim % 2:
+        raise ValueError(f"RoPE rotates pairs of channels: head_dim must be even, got {head_dim}")
+
+
+def _dtypes(x_dtype, weight_dtype, casting, table_dtype, cast_back):
+    """(norm output dtype, dtype the rotation is computed in, result dtype)."""
+    norm_dtype = rms_norm_output_dtype(x_dtype, weight_dtype, casting)
+    rope_dtype = torch.promote_types(norm_dtype, table_dtype)
+    return norm_dtype, rope_dtype, norm_dtype if cast_back else rope_dtype
+
+
+# ----------------------------------------------------------------------------- torch backend
+
+def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset, casting,
+                       cast_back):
+    normed, rstd = _torch_forward(x2d, weight, row_len, eps, offset, casting)
+    heads = normed.unflatten(-1, (-1, head_dim))
+    rotated = rope_reference(heads, cos2d[:, None], sin2d[:, None]).flatten(-2)
+    return (rotated.to(normed.dtype) if cast_back else rotated), rstd
+
+
+def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_dim, offset):
+    dnormed = rope_backward_reference(dout2d.unflatten(-1, (-1, head_dim)), cos2d[:, None],
+                                      sin2d[:, None])
+    return _torch_backward(dnormed.flatten(-2), x2d, weight, rstd, row_len, offset)
+
+
+# ----------------------------------------------------------------------------- triton backend
+
+def _launch_shape(kernel, n_tokens, q_slots, k_slots, head_dim, dtype, device):
+    """(ROWS tokens per program, BLOCK_HALF, num_warps, programs per q slot): the QK-Norm plan
+    for head_dim-long rows (both kernels work one head at a time)."""
+    plan = plan_for(kernel, dtype, n_tokens, head_dim, device)
+    return (plan.block_m, triton.next_power_of_2(head_dim // 2), plan.num_warps,
+            triton.cdiv(n_tokens, plan.block_m))
+
+
+def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim, eps, offset,
+                    casting, cast_back):
+    device, n_tokens = q2d.device, q2d.shape[0]
+    q_slots, k_slots = q2d.shape[1] // nq, k2d.shape[1] // nk
+    q_norm_dtype, q_rope_dtype, q_out_dtype = _dtypes(q2d.dtype, q_weight.dtype, casting,
+                                                      cos2d.dtype, cast_back)
+    k_norm_dtype, k_rope_dtype, k_out_dtype = _dtypes(k2d.dtype, k_weight.dtype, casting,
+                                                      cos2d.dtype, cast_back)
+    qo = torch.empty(q2d.shape, device=device, dtype=q_out_dtype)
+    ko = torch.empty(k2d.shape, device=device, dtype=k_out_dtype)
+    q_rstd = torch.empty(q_slots, n_tokens, device=device, dtype=torch.float32)
+    k_rstd = torch.empty(k_slots, n_tokens, device=device, dtype=torch.float32)
+    if n_tokens == 0:
+        return qo, ko, q_rstd, k_rstd
+    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_fwd", n_tokens, q_slots,
+                                                        k_slots, head_dim, q2d.dtype, device)
+    kernel_for(_k.qk_norm_rope_fwd, device)[((q_slots + k_slots) * blocks,)](
+        q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
+        q_rstd, k_rstd, n_tokens, q_slots, k_slots, q_slots * blocks,
+        q2d.stride(0), k2d.stride(0), qo.stride(0), ko.stride(0), cos2d.stride(0),
+        sin2d.stride(0), _head_stride(q_weight, head_dim), _head_stride(k_weight, head_dim),
+        eps, offset, HEAD_DIM=head_dim, Q_HEADS_PER_ROW=nq // head_dim,
+        K_HEADS_PER_ROW=nk // head_dim, ROWS=rows, BLOCK_HALF=block_half,
+        ROUND_XHAT=casting == "llama", Q_NORM_DTYPE=_TL_DTYPES[q_norm_dtype],
+        K_NORM_DTYPE=_TL_DTYPES[k_norm_dtype], Q_ROPE_DTYPE=_TL_DTYPES[q_rope_dtype],
+        K_ROPE_DTYPE=_TL_DTYPES[k_rope_dtype], num_warps=num_warps)
+    return qo, ko, q_rstd, k_rstd
+
+
+def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rstd, k_rstd, nq,
+                     nk, head_dim, offset):
+    device, n_tokens = q2d.device, q2d.shape[0]
+    q_slots, k_slots = q2d.shape[1] // nq, k2d.shape[1] // nk
+    dqo, dko = as_rows(dqo), as_rows(dko)
+    dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
+    dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
+    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_bwd", n_tokens, q_slots,
+                                                        k_slots, head_dim, q2d.dtype, device)
+    blocks = blocks if n_tokens > 0 else 0
+    dqw_partial = torch.zeros(q_slots * blocks, nq, device=device, dtype=torch.float32)
+    dkw_partial = torch.zeros(k_slots * blocks, nk, device=device, dtype=torch.float32)
+    if n_tokens > 0:
+        kernel_for(_k.qk_norm_rope_bwd, device)[((q_slots + k_slots) * blocks,)](
+            q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, dqo, dko,
+            dq, dk, q_rstd, k_rstd, dqw_partial, dkw_partial,
+            n_tokens, q_slots, k_slots, q_slots * blocks,
+            q2d.stride(0), k2d.stride(0), dqo.stride(0), dko.stride(0), dq.stride(0),
+            dk.stride(0), cos2d.stride(0), sin2d.stride(0), _head_stride(q_weight, head_dim),
+            _head_stride(k_weight, head_dim), offset, HEAD_DIM=head_dim,
+            Q_HEADS_PER_ROW=nq // head_dim, K_HEADS_PER_ROW=nk // head_dim, ROWS=rows,
+            BLOCK_HALF=block_half, num_warps=num_warps)
+    return (dq, dk, _sum_partials(dqw_partial, q_slots, q_weight),
+            _sum_partials(dkw_partial, k_slots, k_weight))
+
+
+# ----------------------------------------------------------------------------- custom ops
+
+def _row_lens(q2d, k2d, head_dim, per_layer):
+    return (q2d.shape[1], k2d.shape[1]) if per_layer else (head_dim, head_dim)
+
+
+@torch.library.custom_op("normtools::qk_norm_rope_fwd", mutates_args=())
+def _qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor,
+                      sin: Tensor, head_dim: int, per_layer: bool, eps: float, offset: float,
+                      casting: str, cast_back: bool,
+                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q_out, k_out, q_rstd, k_rstd) for q (T, Hq·D), k (T, Hk·D), cos / sin (T, D); the
+    float32 inverse RMS is laid out (H_rows, T)."""
+    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    if backend == "torch":
+        qo, q_rstd = _torch_forward_one(q, q_weight, cos, sin, nq, head_dim, eps, offset, casting,
+                                        cast_back)
+        ko, k_rstd = _torch_forward_one(k, k_weight, cos, sin, nk, head_dim, eps, offset, casting,
+                                        cast_back)
+        return qo, ko, q_rstd, k_rstd
+    return _triton_forward(q, k, q_weight, k_weight, cos, sin, nq, nk, head_dim, eps, offset,
+                           casting, cast_back)
+
+
+@_qk_norm_rope_fwd.register_fake
+def _(q, k, q_weight, k_weight, cos, sin, head_dim, per_layer, eps, offset, casting, cast_back,
+      backend):
+    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    q_dtype = _dtypes(q.dtype, q_weight.dtype, casting, cos.dtype, cast_back)[2]
+    k_dtype = _dtypes(k.dtype, k_weight.dtype, casting, cos.dtype, cast_back)[2]
+    return (q.new_empty(q.shape, dtype=q_dtype), k.new_empty(k.shape, dtype=k_dtype),
+            q.new_empty((q.shape[1] // nq, q.shape[0]), dtype=torch.float32),
+            k.new_empty((k.shape[1] // nk, k.shape[0]), dtype=torch.float32))
+
+
+@torch.library.custom_op("normtools::qk_norm_rope_bwd", mutates_args=())
+def _qk_norm_rope_bwd(dqo: Tensor, dko: Tensor, q: Tensor, k: Tensor, q_weight: Tensor,
+                      k_weight: Tensor, cos: Tensor, sin: Tensor, q_rstd: Tensor,
+                      k_rstd: Tensor, head_dim: int, per_layer: bool, offset: float,
+                      backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dq, dk, dq_weight, dk_weight) from the output gradients and the saved inverse RMS."""
+    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    if backend == "torch":
+        dq, dqw = _torch_backward_one(dqo, q, q_weight, cos, sin, q_rstd, nq, head_dim, offset)
+        dk, dkw = _torch_backward_one(dko, k, k_weight, cos, sin, k_rstd, nk, head_dim, offset)
+        return dq, dk, dqw, dkw
+    return _triton_backward(dqo, dko, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, nq, nk,
+                            head_dim, offset)
+
+
+@_qk_norm_rope_bwd.register_fake
+def _(dqo, dko, q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd, head_dim, per_layer, offset,
+      backend):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(q_weight),
+            torch.empty_like(k_weight))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, q_weight, k_weight, cos, sin, head_dim, per_layer, _eps, offset, *_, backend = inputs
+    ctx.save_for_backward(q, k, q_weight, k_weight, cos, sin, output[2], output[3])
+    ctx.head_dim, ctx.per_layer, ctx.offset, ctx.backend = head_dim, per_layer, offset, backend
+
+
+def _backward(ctx, dqo, dko, _d_q_rstd, _d_k_rstd):
+    q, k, q_weight, k_weight, cos, sin, q_rstd, k_rstd = ctx.saved_tensors
+    dqo = torch.zeros(q.shape, dtype=q.dtype, device=q.device) if dqo is None else dqo
+    dko = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if dko is None else dko
+    dq, dk, dqw, dkw = _qk_norm_rope_bwd(dqo, dko, q, k, q_weight, k_weight, cos, sin, q_rstd,
+                                         k_rstd, ctx.head_dim, ctx.per_layer, ctx.offset,
+                                         ctx.backend)
+    return dq, dk, dqw, dkw, None, None, None, None, None, None, None, None, None
+
+
+_qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------- public API
+
+def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scope="per_head",
+                 offset=0.0, casting="llama", cast_back=False, backend="auto"):
+    """QK-Norm then RoPE, fused: ``RoPE(qk_norm(q))``, ``RoPE(qk_norm(k))`` in one launch.
+
+    q: (..., Hq·head_dim) or (..., Hq, head_dim); k likewise with Hk heads (Hk divides Hq);
+    weights, eps, scope, offset, casting and backend as in ``normtools.qk_norm``. cos, sin:
+    (..., head_dim), the rotary tables of q's tokens (leading dimensions broadcastable to q's
+    token dimensions; no gradient). RoPE(y) = y · cos + rotate_half(y) · sin over the whole
+    head, as transformers' ``apply_rotary_pos_emb``, computed in dtype
+    promote(rms_norm_output_dtype(x, w, casting), cos.dtype). Returns (q_out, k_out) with the
+    input shapes, in that dtype, or in the norm's output dtype with ``cast_back=True`` (OLMo 2).
+    """
+    headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset,
+                                   casting, backend)
+    token_shape = q.shape[:-2] if headed else q.shape[:-1]
+    check_rope_tables(cos, sin, q, head_dim, token_shape)
+    q2d = as_rows(q.flatten(-2) if headed else q)
+    k2d = as_rows(k.flatten(-2) if headed else k)
+    cos2d = as_rows(cos.expand(*token_shape, head_dim))
+    sin2d = as_rows(sin.expand(*token_shape, head_dim))
+    qo, ko, _, _ = _qk_norm_rope_fwd(q2d, k2d, q_weight, k_weight, cos2d, sin2d, head_dim,
+                                     scope == "per_layer", float(eps), float(offset), casting,
+                                     bool(cast_back), resolve_backend(backend, q.device))
+    return qo.view(q.shape), ko.view(k.shape)

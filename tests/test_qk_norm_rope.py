@@ -1,0 +1,215 @@
+"""normtools.qk_norm_rope: QK-Norm then RoPE, fused, against transformers and float64 math.
+
+* Against the models themselves: in tiny random Qwen3, OLMo 2 (per-layer) and Gemma 3 models,
+  forward hooks record what each layer feeds its q_norm / k_norm, and a wrapper around the
+  modeling module's own ``apply_rotary_pos_emb`` records the rotated q and k it returns (and the
+  cos / sin it was given). ``backend="torch"`` must give the same bits in float32 and bfloat16;
+  the Triton kernel the same bits in bfloat16 and, in float32, within a few ulps of the largest
+  value (its sum of squares adds the two halves of a head separately, so r can differ in the
+  last bit: float32 bit-exactness would need transformers' own reduction order).
+* Gradients (q, k and both weights) against autograd of float64 math (``_oracle``), for both
+  scopes, shared and per-head weights, and both casting conventions.
+"""
+
+import pytest
+import torch
+from _oracle import assert_close_to_oracle, make_input, rms_norm_f64, run_with_grads
+from test_hf_parity_qk import FAMILIES, TINY, tiny_model
+from test_numerics import ulps
+
+import normtools
+from normtools.core.reference import rms_norm_reference, rope_reference
+
+ROPE_FAMILIES = ["qwen3", "olmo2", "gemma3"]
+MODELING = {"qwen3": "qwen3", "olmo2": "olmo2", "gemma3": "gemma3"}
+# OLMo 2's rotary tables are float32 and its apply_rotary_pos_emb casts back to q's dtype
+CAST_BACK = {"qwen3": False, "olmo2": True, "gemma3": False}
+
+
+def recorded_norm_and_rope(family, model, monkeypatch):
+    """Per layer: the q_norm / k_norm inputs and the (q, k, cos, sin) → (q_embed, k_embed) of
+    the model's own apply_rotary_pos_emb call that follows them."""
+    modeling = __import__(f"transformers.models.{MODELING[family]}.modeling_{MODELING[family]}",
+                          fromlist=["apply_rotary_pos_emb"])
+    real_rope = modeling.apply_rotary_pos_emb
+    ropes, norms, hooks = [], [], []
+
+    def recording_rope(q, k, cos, sin, *args, **kwargs):
+        out = real_rope(q, k, cos, sin, *args, **kwargs)
+        ropes.append((cos.detach(), sin.detach(), out[0].detach(), out[1].detach()))
+        return out
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", recording_rope)
+    for layer in model.layers:
+        record = {}
+        norms.append(record)
+        for name in ("q_norm", "k_norm"):
+            def pre_hook(module, args, record=record, name=name):
+                record[name] = args[0].detach()
+            hooks.append(getattr(layer.self_attn, name).register_forward_pre_hook(pre_hook))
+    try:
+        with torch.no_grad():
+            model(torch.randint(0, TINY["vocab_size"], (2, 5),
+                                generator=torch.Generator().manual_seed(1)))
+    finally:
+        for h in hooks:
+            h.remove()
+    assert len(ropes) == len(norms) == len(model.layers)
+    return list(zip(norms, ropes))
+
+
+def fused_like_the_model(family, model, config, layer, record, rope, backend):
+    """normtools.qk_norm_rope on the tensors the model normalized, laid out as the model's
+    rotated q / k: (B, H, S, D)."""
+    *_, scope, offset, casting, heads_first = FAMILIES[family]
+    attn = model.layers[layer].self_attn
+    q_in, k_in = record["q_norm"], record["k_norm"]
+    if heads_first:                                   # (B, H, S, D) → (B, S, H, D)
+        q_in, k_in = q_in.transpose(1, 2), k_in.transpose(1, 2)
+    cos, sin, q_ref, k_ref = rope
+    q_out, k_out = normtools.qk_norm_rope(
+        q_in, k_in, attn.q_norm.weight.detach(), attn.k_norm.weight.detach(), cos, sin,
+        config.rms_norm_eps, head_dim=config.head_dim, scope=scope, offset=offset,
+        casting=casting, cast_back=CAST_BACK[family], backend=backend)
+    if q_out.dim() == 3:                              # OLMo 2: (B, S, H·D) → (B, S, H, D)
+        q_out = q_out.unflatten(-1, (-1, config.head_dim))
+        k_out = k_out.unflatten(-1, (-1, config.head_dim))
+    return q_out.transpose(1, 2), k_out.transpose(1, 2), q_ref, k_ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", ROPE_FAMILIES)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_equals_the_models_norm_then_rope(family, dtype, backend, monkeypatch):
+    model, config = tiny_model(family, dtype)
+    for layer, (record, rope) in enumerate(recorded_norm_and_rope(family, model, monkeypatch)):
+        q_out, k_out, q_ref, k_ref = fused_like_the_model(family, model, config, layer, record,
+                                                          rope, backend)
+        for name, got, want in (("q", q_out, q_ref), ("k", k_out, k_ref)):
+            what = f"{family} {dtype} {backend} layer {layer} {name}"
+            assert got.shape == want.shape and got.dtype == want.dtype, what
+            if backend == "torch" or dtype != torch.float32:
+                assert torch.equal(got, want), (
+                    f"{what}: {(got != want).double().mean():.2%} of elements differ, up to "
+                    f"{ulps(got, want, dtype).max():.0f} ulps")
+            else:   # a few ulps of the largest value (a rotation may cancel to ~0)
+                worst = (got - want).abs().max() / want.abs().max()
+                assert worst <= 4 * torch.finfo(dtype).eps, f"{what}: {worst:.3g}"
+
+
+def test_the_model_comparison_can_fail(monkeypatch):
+    """Without the rotation (plain qk_norm) or with the other casting, the same comparison
+    fails: the parity above is not vacuous."""
+    model, config = tiny_model("qwen3", torch.bfloat16)
+    record, rope = recorded_norm_and_rope("qwen3", model, monkeypatch)[0]
+    attn = model.layers[0].self_attn
+    q_norm_only, _ = normtools.qk_norm(record["q_norm"], record["k_norm"],
+                                       attn.q_norm.weight.detach(), attn.k_norm.weight.detach(),
+                                       config.rms_norm_eps, head_dim=config.head_dim)
+    assert not torch.equal(q_norm_only.transpose(1, 2), rope[2])
+    cos, sin = rope[0], rope[1]
+    q_gemma, _ = normtools.qk_norm_rope(record["q_norm"], record["k_norm"],
+                                        attn.q_norm.weight.detach(), attn.k_norm.weight.detach(),
+                                        cos, sin, config.rms_norm_eps, head_dim=config.head_dim,
+                                        casting="gemma", backend="triton")
+    assert not torch.equal(q_gemma.transpose(1, 2), rope[2])
+
+
+# ----------------------------------------------------------------------------- gradients
+
+def rope_tables(tokens, head_dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    angles = torch.randn(*tokens, head_dim // 2, generator=gen) * 3
+    emb = torch.cat((angles, angles), -1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def oracle(q, k, qw, kw, cos, sin, eps, head_dim, scope, offset):
+    """Float64 norm (rows per scope) then RoPE of q and k, both (T, H, D)."""
+    def one(x, w):
+        if scope == "per_layer":
+            y = rms_norm_f64(x.flatten(-2), w, eps, offset).unflatten(-1, (-1, head_dim))
+        else:
+            y = rms_norm_f64(x, w, eps, offset)
+        return rope_reference(y, cos.double()[:, None], sin.double()[:, None])
+    return one(q, qw), one(k, kw)
+
+
+def same_dtype(q, k, qw, kw, cos, sin, eps, head_dim, scope, offset, casting):
+    """The reference ops in the input dtype (PyTorch autograd through them)."""
+    def one(x, w):
+        rows = x.flatten(-2) if scope == "per_layer" else x
+        y = rms_norm_reference(rows, w, eps, offset, casting)
+        return rope_reference(y.view(x.shape), cos[:, None], sin[:, None])
+    return one(q, qw), one(k, kw)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("scope, weights", [("per_head", "shared"), ("per_head", "per_head"),
+                                            ("per_layer", "per_layer")])
+@pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
+                                                    (torch.bfloat16, "llama", 0.0),
+                                                    (torch.bfloat16, "gemma", 1.0)], ids=str)
+def test_gradients_match_float64(backend, scope, weights, dtype, casting, offset):
+    tokens, hq, hk, d = (3, 4), 4, 2, 16
+    q = make_input((*tokens, hq, d), dtype, seed=0)
+    k = make_input((*tokens, hk, d), dtype, seed=1, scale=2.0)
+    shape = {"shared": lambda h: (d,), "per_head": lambda h: (h, d),
+             "per_layer": lambda h: (h * d,)}[weights]
+    gen = torch.Generator().manual_seed(2)
+    qw = (0.5 - offset + torch.rand(shape(hq), generator=gen)).to(dtype)
+    kw = (0.5 - offset + torch.rand(shape(hk), generator=gen)).to(dtype)
+    cos, sin = rope_tables(tokens, d, dtype, seed=3)
+    eps = 1e-6
+    dqo = make_input(q.shape, dtype, seed=4)
+    dko = make_input(k.shape, dtype, seed=5)
+
+    def fused(q, k, qw, kw):
+        return normtools.qk_norm_rope(q, k, qw, kw, cos, sin, eps, head_dim=d, scope=scope,
+                                      offset=offset, casting=casting, backend=backend)
+
+    outs, grads = run_with_grads(fused, (q, k, qw, kw), [dqo, dko])
+    outs_same, grads_same = run_with_grads(
+        lambda *a: same_dtype(*[t.flatten(0, 1) if t.dim() > 2 else t for t in a],
+                              cos.flatten(0, 1), sin.flatten(0, 1), eps, d, scope, offset,
+                              casting), (q, k, qw, kw), [dqo.flatten(0, 1), dko.flatten(0, 1)])
+    outs64, grads64 = run_with_grads(
+        lambda *a: oracle(*[t.flatten(0, 1) if t.dim() > 2 else t for t in a],
+                          cos.flatten(0, 1), sin.flatten(0, 1), eps, d, scope, offset),
+        (q, k, qw, kw), [dqo.flatten(0, 1), dko.flatten(0, 1)], cast=torch.float64)
+    for name, got, same, ref in zip(["q_out", "k_out"], outs, outs_same, outs64):
+        assert_close_to_oracle(got.flatten(0, 1), ref, same, dtype, name)
+    for name, got, same, ref in zip(["dq", "dk", "dq_weight", "dk_weight"], grads, grads_same,
+                                    grads64):
+        assert got.shape == same.shape and got.dtype == same.dtype, name
+        assert_close_to_oracle(got, ref, same, dtype, f"{scope}/{weights} {name}")
+
+
+def test_bad_rope_tables_raise_before_launch():
+    q, k = torch.randn(3, 4, 8), torch.randn(3, 2, 8)
+    w = torch.ones(8)
+    cos, sin = rope_tables((3,), 8, torch.float32, seed=0)
+    bad = [
+        (ValueError, dict(cos=cos[:, :4])),                       # not head_dim wide
+        (ValueError, dict(cos=torch.ones(5, 8))),                 # other token count
+        (TypeError, dict(sin=sin.double())),
+        (TypeError, dict(sin=sin.half())),                        # dtype differs from cos
+        (ValueError, dict(cos=cos.clone().requires_grad_())),
+        (ValueError, dict(cos=cos.to("meta"))),
+        (TypeError, dict(cos=None)),
+    ]
+    for error, change in bad:
+        args = dict(cos=cos, sin=sin) | change
+        with pytest.raises(error):
+            normtools.qk_norm_rope(q, k, w, w, args["cos"], args["sin"], head_dim=8,
+                                   backend="triton")
+    with pytest.raises(ValueError, match="even"):
+        normtools.qk_norm_rope(torch.randn(3, 4, 7), torch.randn(3, 2, 7), torch.ones(7),
+                               torch.ones(7), torch.ones(3, 7), torch.ones(3, 7), head_dim=7)
+    # broadcast tables: one row per position, shared by the batch
+    qb, kb = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+    out = normtools.qk_norm_rope(qb, kb, w, w, cos[None], sin[None], head_dim=8, backend="triton")
+    ref = normtools.qk_norm_rope(qb, kb, w, w, cos.expand(2, 3, 8), sin.expand(2, 3, 8),
+                                 head_dim=8, backend="torch")
+    for a, b in zip(out, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
