@@ -12,8 +12,13 @@ import torch.nn.functional as F
 from _oracle import (
     DEVICES,
     DTYPES,
+    DTYPE_MIXES,
+    EPS_CHOICES,
     HYPOTHESIS_SETTINGS,
     LAYOUTS,
+    eps_and_scale,
+    examples,
+    row_shapes,
     assert_close_to_oracle,
     layer_norm_f64,
     make_input,
@@ -30,12 +35,12 @@ SETTINGS_CUDA = settings(SETTINGS, max_examples=10)
 
 
 def check_layer_norm(device, backend, shape, dtype, param_dtype, has_weight, has_bias, layout,
-                     seed=0):
-    """Forward and every gradient of layer_norm against the float64 oracle."""
+                     eps=1e-5, scale=1.0, seed=0):
+    """Forward and every gradient of layer_norm against the float64 oracle; x is normal times
+    ``scale`` (its variance is scale²)."""
     n = shape[-1]
-    eps = 1e-5
     # a common offset makes the mean matter (and tests the two-pass variance)
-    x = make_input(shape, dtype, layout, device, seed, shift=3.0)
+    x = make_input(shape, dtype, layout, device, seed, scale=scale, shift=3.0 * scale)
     gen = torch.Generator().manual_seed(seed + 2)
     weight = (0.5 + torch.rand(n, generator=gen)).to(device, param_dtype) if has_weight else None
     bias = (0.5 * torch.randn(n, generator=gen)).to(device, param_dtype) if has_bias else None
@@ -63,13 +68,25 @@ def check_layer_norm(device, backend, shape, dtype, param_dtype, has_weight, has
 
 @st.composite
 def cases(draw):
-    lead = draw(st.lists(st.integers(0, 5), max_size=3))
-    n = draw(st.one_of(st.integers(1, 160), st.sampled_from([1023, 2048, 9001])))
-    dtype = draw(st.sampled_from(DTYPES))
-    param_dtype = draw(st.sampled_from([torch.float32, dtype]))
-    has_weight, has_bias = draw(st.booleans()), draw(st.booleans())
+    shape = draw(row_shapes())
+    dtype, param_dtype = draw(st.sampled_from(DTYPE_MIXES))
+    affine = st.sampled_from([True, True, False])               # mostly with weight and bias
+    has_weight, has_bias = draw(affine), draw(affine)
     layout = draw(st.sampled_from(LAYOUTS))
-    return (*lead, n), dtype, param_dtype, has_weight, has_bias, layout
+    eps, scale = draw(eps_and_scale())
+    return shape, dtype, param_dtype, has_weight, has_bias, layout, eps, scale
+
+
+def test_draws_cover_the_space():
+    """The draws are not degenerate: non-empty with N > 1; low precision with a weight, in
+    the input dtype and in float32; every eps; rows at the scale of eps."""
+    drawn = examples(cases())
+    assert all(math.prod(shape) > 0 and shape[-1] > 1 for shape, *_ in drawn)
+    weighted = {(dtype, param_dtype) for _, dtype, param_dtype, w, *_ in drawn if w}
+    assert {(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32)} & weighted
+    assert any(dtype == torch.float32 for dtype, _ in weighted)
+    assert {eps for *_, eps, _ in drawn} == set(EPS_CHOICES)
+    assert any(scale < 1 for *_, scale in drawn)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -13,12 +13,16 @@ import pytest
 import torch
 from _oracle import (
     DEVICES,
-    DTYPES,
+    DTYPE_MIXES,
+    EPS_CHOICES,
     HYPOTHESIS_SETTINGS,
     LAYOUTS,
     assert_close_to_oracle,
+    eps_and_scale,
+    examples,
     make_input,
     rms_norm_f64,
+    row_shapes,
     run_with_grads,
 )
 from hypothesis import given, settings
@@ -32,13 +36,13 @@ SETTINGS_CUDA = settings(SETTINGS, max_examples=10)
 
 
 def check_rms_norm(device, backend, shape, dtype, weight_dtype, casting, offset, layout,
-                   residual=False, seed=0):
+                   eps=1e-6, scale=1.0, residual=False, seed=0):
     """Forward and every gradient of rms_norm (add_rms_norm with ``residual``) against the
-    float64 oracle; ``weight_dtype=None`` means no weight."""
+    float64 oracle; ``weight_dtype=None`` means no weight; x (and the residual) are normal
+    times ``scale``."""
     n = shape[-1]
-    eps = 1e-6
-    x = make_input(shape, dtype, layout, device, seed)
-    res = make_input(shape, dtype, "contiguous", device, seed + 1) if residual else None
+    x = make_input(shape, dtype, layout, device, seed, scale=scale)
+    res = make_input(shape, dtype, "contiguous", device, seed + 1, scale=scale) if residual else None
     gen = torch.Generator().manual_seed(seed + 2)
     weight = None
     if weight_dtype is not None:
@@ -56,7 +60,10 @@ def check_rms_norm(device, backend, shape, dtype, weight_dtype, casting, offset,
             return rms_norm_reference(summed, w, eps, offset, casting), summed
 
         def oracle(x, res, w):
+            # the op rounds x + residual to the input dtype, then normalizes that rounded sum
+            # (which matters for rows at the scale of eps); the rounding's gradient is 1
             summed = x + res
+            summed = summed + (summed.detach().to(dtype).double() - summed.detach())
             return rms_norm_f64(summed, w, eps, offset), summed
         inputs = (x, res, weight)
     else:
@@ -93,14 +100,28 @@ def check_rms_norm(device, backend, shape, dtype, weight_dtype, casting, offset,
 
 @st.composite
 def cases(draw):
-    lead = draw(st.lists(st.integers(0, 5), max_size=3))
-    n = draw(st.one_of(st.integers(1, 160), st.sampled_from([1023, 2048, 9001])))
-    dtype = draw(st.sampled_from(DTYPES))
-    weight_dtype = draw(st.sampled_from([torch.float32, dtype, None]))
+    shape = draw(row_shapes())
+    dtype, weight_dtype = draw(st.sampled_from(DTYPE_MIXES))
+    if not draw(st.sampled_from([True, True, True, False])):     # one draw in four unweighted
+        weight_dtype = None
     casting = draw(st.sampled_from(["llama", "gemma"]))
     offset = draw(st.sampled_from([0.0, 1.0, 0.5]))
     layout = draw(st.sampled_from(LAYOUTS))
-    return (*lead, n), dtype, weight_dtype, casting, offset, layout
+    eps, scale = draw(eps_and_scale())
+    return shape, dtype, weight_dtype, casting, offset, layout, eps, scale
+
+
+def test_draws_cover_the_space():
+    """The draws are not degenerate: non-empty with N > 1, every dtype mix with a weight
+    (bfloat16 input with a float32 weight included, with N > 1), unweighted draws, every eps,
+    and rows at the scale of eps."""
+    drawn = examples(cases())
+    assert all(math.prod(shape) > 0 and shape[-1] > 1 for shape, *_ in drawn)
+    mixes = {(dtype, weight_dtype) for _, dtype, weight_dtype, *_ in drawn}
+    assert {(torch.bfloat16, torch.float32), (torch.float32, torch.float32)} <= mixes
+    assert any(w is None for _, _, w, *_ in drawn)
+    assert {eps for *_, eps, _ in drawn} == set(EPS_CHOICES)
+    assert any(scale < 1 for *_, scale in drawn) and any(scale == 1 for *_, scale in drawn)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
