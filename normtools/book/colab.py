@@ -376,15 +376,23 @@ def write_edition(root: Path = ROOT, out: Path | None = None, chapters: list[Pat
     out = out or root / "colab" / "book"
     out.mkdir(parents=True, exist_ok=True)
     book = read_book(root)
-    written = []
+    written, failed = [], {}
     for path in chapters or sorted((root / "book").glob("*.ipynb")):
+        try:
+            edition = edition_notebook(path, book)
+        except (KeyError, ValueError) as error:        # e.g. a chapter stored before it was executed
+            failed[path.name] = error
+            continue
         target = out / path.name
-        target.write_text(json.dumps(edition_notebook(path, book), indent=1, ensure_ascii=False) + "\n",
-                          encoding="utf-8")
+        target.write_text(json.dumps(edition, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
         written.append(target)
     if not chapters:
-        for stale in set(out.glob("*.ipynb")) - set(written):
-            stale.unlink()
+        names = {p.name for p in (root / "book").glob("*.ipynb")}
+        for stale in out.glob("*.ipynb"):
+            if stale.name not in names:
+                stale.unlink()
+    if failed:
+        raise ValueError("no edition for " + "; ".join(f"{name}: {error}" for name, error in failed.items()))
     return written
 
 
@@ -395,7 +403,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, help="folder for the edition (default: ROOT/colab/book)")
     parser.add_argument("chapters", nargs="*", type=Path, help="only these chapters (default: all)")
     args = parser.parse_args(argv)
-    for path in write_edition(args.root, args.out, args.chapters):
+    try:
+        written = write_edition(args.root, args.out, args.chapters)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 1
+    for path in written:
         print(f"wrote {path}")
     return 0
 
