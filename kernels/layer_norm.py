@@ -13,8 +13,9 @@ Backward. With g = w ⊙ dy, and differentiating through mean and rstd:
     dw = Σ_rows dy ⊙ x_hat,    db = Σ_rows dy
 
 Layout, chunking and determinism follow kernels/rms_norm.py: rows are addressed through their
-row stride; a row that fits in BLOCK_N columns is read once (SINGLE_PASS, BLOCK_M rows per
-program). A longer row is read in chunks: the forward reads it twice, once for the statistics
+row stride; grids are persistent (a program loops over rows_per_program rows and reads w and b
+once, or once per chunk); a row that fits in BLOCK_N columns is read once (SINGLE_PASS). A
+longer row is read in chunks: the forward reads it twice, once for the statistics
 (each chunk's mean and squared deviations, merged into the row's with Chan's formula, as
 accurate as two passes) and once for the output; the backward reads x and dy twice (c1, c2
 per row, then dx, dw and db column chunk by column chunk). Each program of the persistent
@@ -36,64 +37,75 @@ import triton.language as tl
 def layer_norm_fwd(
     X, Y, W, B, MEAN, RSTD,                 # pointers; W/B unused without weight/bias
     stride_x, stride_y,                     # row strides (elements)
-    M, N, eps,
+    M, N, eps, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):
-    """One program normalizes BLOCK_M consecutive rows."""
+    """Persistent program pid normalizes rows [pid · rows_per_program, +rows_per_program) in
+    blocks of BLOCK_M rows; w and b are read once per program (per chunk when chunked)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows = rows.to(tl.int64)  # 64-bit offsets: M · stride may exceed 2³¹
-    x_rows = X + rows[:, None] * stride_x
-    y_rows = Y + rows[:, None] * stride_y
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
 
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        mean = tl.sum(x, axis=1) / N
-        x_c = tl.where(mask, x - mean[:, None], 0.0)            # padding must not count
-        rstd = tl.rsqrt(tl.sum(x_c * x_c, axis=1) / N + eps)
         w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
         b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
-        y = x_c * rstd[:, None] * w[None, :] + b[None, :]
-        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+        for block_start in range(row_start, row_end, BLOCK_M):
+            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                        eviction_policy="evict_first").to(tl.float32)
+            mean = tl.sum(x, axis=1) / N
+            x_c = tl.where(mask, x - mean[:, None], 0.0)        # padding must not count
+            rstd = tl.rsqrt(tl.sum(x_c * x_c, axis=1) / N + eps)
+            y = x_c * rstd[:, None] * w[None, :] + b[None, :]
+            tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty),
+                     mask=mask)
+            tl.store(MEAN + rows, mean, mask=row_mask)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
     else:
-        # Pass 1: mean and sum of squared deviations. Each chunk's own (mean, M2) is exact
-        # two-pass arithmetic in registers; chunks merge with Chan's formula
+        # Pass 1, row block by row block: mean and sum of squared deviations. Each chunk's own
+        # (mean, M2) is exact two-pass arithmetic in registers; chunks merge with Chan's formula
         #   M2 += M2_chunk + δ² · n·n_chunk / (n + n_chunk),   δ = mean_chunk − mean.
-        mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols[None, :] < N)
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            n_seen = start * 1.0                                 # values merged so far
-            n_chunk = tl.minimum(N - start, BLOCK_N) * 1.0
-            chunk_mean = tl.sum(x, axis=1) / n_chunk
-            x_c = tl.where(mask, x - chunk_mean[:, None], 0.0)
-            delta = chunk_mean - mean
-            n_total = n_seen + n_chunk
-            mean += delta * (n_chunk / n_total)
-            m2 += tl.sum(x_c * x_c, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
-        rstd = tl.rsqrt(m2 / N + eps)
-        # Pass 2: normalize and write.
+        for block_start in range(row_start, row_end, BLOCK_M):
+            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols[None, :] < N)
+                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+                n_seen = start * 1.0                             # values merged so far
+                n_chunk = tl.minimum(N - start, BLOCK_N) * 1.0
+                chunk_mean = tl.sum(x, axis=1) / n_chunk
+                x_c = tl.where(mask, x - chunk_mean[:, None], 0.0)
+                delta = chunk_mean - mean
+                n_total = n_seen + n_chunk
+                mean += delta * (n_chunk / n_total)
+                m2 += tl.sum(x_c * x_c, axis=1) + delta * delta * (n_seen * n_chunk / n_total)
+            tl.store(MEAN + rows, mean, mask=row_mask)
+            tl.store(RSTD + rows, tl.rsqrt(m2 / N + eps), mask=row_mask)
+        tl.debug_barrier()  # the statistics are re-read by other threads of this program
+        # Pass 2, column chunk by column chunk over all rows of this program: w and b read
+        # once, the rows' chunk again, y written.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
             w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
             b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
-            y = (x - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
-            tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(MEAN + rows, mean, mask=row_mask)
-    tl.store(RSTD + rows, rstd, mask=row_mask)
+            for block_start in range(row_start, row_end, BLOCK_M):
+                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                mask = row_mask[:, None] & col_mask[None, :]
+                x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                y = (x - mean[:, None]) * rstd[:, None] * w[None, :] + b[None, :]
+                tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty),
+                         mask=mask)
 
 
 @triton.jit
@@ -121,9 +133,7 @@ def layer_norm_bwd(
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows = block_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            rows = rows.to(tl.int64)
+            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
             x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                     col_mask, stride_x, stride_dy, "evict_first")
             g = dy * w[None, :]
@@ -139,26 +149,27 @@ def layer_norm_bwd(
         if HAS_BIAS:
             tl.store(db_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
-        # Long rows. Pass 1, row block by row block: c1 and c2 of each row, kept in ROW_MEANS.
-        # Pass 2, column chunk by column chunk, over all rows of this program: dx, and the
-        # chunk's dw and db accumulated in registers and stored once.
-        for block_start in range(row_start, row_end, BLOCK_M):
-            rows = block_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            rows = rows.to(tl.int64)
-            sum_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            sum_xg = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
+        # Long rows, two passes over the columns, each chunk of w read once per program.
+        # Pass 1: ROW_MEANS[0, row] = c1 = mean(g) and ROW_MEANS[1, row] = c2 = mean(x_hat ⊙ g),
+        # summed chunk by chunk. Pass 2: dx, and the chunk's dw and db accumulated in
+        # registers over the rows and stored once.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
+            for block_start in range(row_start, row_end, BLOCK_M):
+                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
                 x_hat, dy, _, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                      col_mask, stride_x, stride_dy, "evict_last")
-                g = dy * _param(W, cols, col_mask, 1.0, HAS_WEIGHT)[None, :]
-                sum_g += g
-                sum_xg += x_hat * g
-            tl.store(ROW_MEANS + rows, tl.sum(sum_g, axis=1) / N, mask=row_mask)
-            tl.store(ROW_MEANS + M + rows, tl.sum(sum_xg, axis=1) / N, mask=row_mask)
-        tl.debug_barrier()  # ROW_MEANS is read back by other threads of this program
+                g = dy * w[None, :]
+                c1 = tl.sum(g, axis=1) / N
+                c2 = tl.sum(x_hat * g, axis=1) / N
+                if start > 0:
+                    c1 += tl.load(ROW_MEANS + rows, mask=row_mask, other=0.0)
+                    c2 += tl.load(ROW_MEANS + M + rows, mask=row_mask, other=0.0)
+                tl.store(ROW_MEANS + rows, c1, mask=row_mask)
+                tl.store(ROW_MEANS + M + rows, c2, mask=row_mask)
+            tl.debug_barrier()  # ROW_MEANS is read back, by other threads of this program too
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
@@ -166,9 +177,7 @@ def layer_norm_bwd(
             dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows = block_start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                rows = rows.to(tl.int64)
+                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
                 x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                         col_mask, stride_x, stride_dy,
                                                         "evict_first")
@@ -186,6 +195,14 @@ def layer_norm_bwd(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _row_block(block_start, row_end, BLOCK_M: tl.constexpr):
+    """The BLOCK_M row indices from block_start (int64: row · stride may pass 2³¹), and their
+    mask (rows < row_end)."""
+    rows = block_start + tl.arange(0, BLOCK_M)
+    return rows.to(tl.int64), rows < row_end
+
 
 @triton.jit
 def _param(P, cols, col_mask, default: tl.constexpr, HAS_PARAM: tl.constexpr):

@@ -25,11 +25,11 @@ head slot of a range of tokens:
     token group = p // H_rows
 
 so programs with neighbouring ids cover neighbouring memory (the head slots of the same
-tokens) and all rows of a program use the same weight row. A forward program handles ROWS
-tokens. A backward program is persistent: it loops over the ROWS-token blocks of
-``tokens_per_program`` tokens, accumulates dy * x_hat in registers and stores its float32
-partial dw row DW_PARTIAL[p] once, so the partials cost one row per program, not one per
-token block (per_layer: not one row of H * head_dim floats per token). kernels/partials.py
+tokens) and all rows of a program use the same weight row. Programs are persistent: a
+program loops over the ROWS-token blocks of ``tokens_per_program`` tokens, so it reads its
+weight row once; a backward program accumulates dy * x_hat in registers and stores its
+float32 partial dw row DW_PARTIAL[p] once, so the partials cost one row per program, not one
+per token block (per_layer: not one row of H * head_dim floats per token). kernels/partials.py
 sums them in a fixed order: deterministic without atomics. The q programs come first and the
 k programs after them: one launch covers both tensors, forward and backward.
 
@@ -50,25 +50,27 @@ import triton.language as tl
 
 @triton.jit
 def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
-                n_tokens, q_heads, k_heads, n_q_programs,
+                n_tokens, tokens_per_program, q_heads, k_heads, n_q_programs,
                 stride_q, stride_k, stride_qy, stride_ky, qw_head_stride, kw_head_stride,
                 eps, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, ROWS: tl.constexpr,
                 BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, ROUND_XHAT: tl.constexpr):
-    """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first;
-    q_heads / k_heads are the head slots per token (H_rows), n_q_programs = q_heads * blocks.
+    """Forward of q and k. Grid: (q_heads + k_heads) * groups persistent programs, q first,
+    each over ``tokens_per_program`` tokens (a multiple of ROWS) of one head slot; q_heads /
+    k_heads are the head slots per token (H_rows), n_q_programs = q_heads * groups.
 
     Writes QY, KY (contiguous outputs) and the float32 inverse RMS Q_RSTD, K_RSTD laid out as
     (H_rows, n_tokens), which the backward reuses.
     """
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, q_heads, stride_q, stride_qy,
-                        qw_head_stride, eps, offset, NQ, ROWS, BLOCK_NQ, ROUND_XHAT)
-    else:
-        _forward_tensor(K, KW, KY, K_RSTD, pid - n_q_programs, n_tokens, k_heads,
-                        stride_k, stride_ky, kw_head_stride, eps, offset, NK, ROWS, BLOCK_NK,
+        _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, tokens_per_program, q_heads,
+                        stride_q, stride_qy, qw_head_stride, eps, offset, NQ, ROWS, BLOCK_NQ,
                         ROUND_XHAT)
+    else:
+        _forward_tensor(K, KW, KY, K_RSTD, pid - n_q_programs, n_tokens, tokens_per_program,
+                        k_heads, stride_k, stride_ky, kw_head_stride, eps, offset, NK, ROWS,
+                        BLOCK_NK, ROUND_XHAT)
 
 
 @triton.jit
@@ -96,49 +98,55 @@ def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
-def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, n_heads, stride_x, stride_y,
-                    w_head_stride, eps, offset,
+def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, tokens_per_program, n_heads, stride_x,
+                    stride_y, w_head_stride, eps, offset,
                     N: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
                     ROUND_XHAT: tl.constexpr):
-    """Normalize the rows of one program of one tensor (q or k); store y and rstd."""
+    """Normalize the rows of one persistent program of one tensor (q or k); store y and
+    rstd. The weight row is read once per program (per chunk and token block when chunked)."""
     head = (pid % n_heads).to(tl.int64)
-    tokens = (pid // n_heads) * ROWS + tl.arange(0, ROWS)
-    token_mask = tokens < n_tokens
-    tokens = tokens.to(tl.int64)
-    x_rows = X + tokens[:, None] * stride_x + head * N      # (ROWS, 1) pointers to row starts
-    y_rows = Y + tokens[:, None] * stride_y + head * N
+    token_start = (pid // n_heads) * tokens_per_program
+    token_end = tl.minimum(token_start + tokens_per_program, n_tokens)
     w_row = W + head * w_head_stride
     cols = tl.arange(0, BLOCK_N)
     if BLOCK_N >= N:
         # whole row in registers: one read, one write
-        mask = token_mask[:, None] & (cols < N)[None, :]
-        x = tl.load(x_rows + cols[None, :], mask=mask, other=0.0,
-                    eviction_policy="evict_first").to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
         w = tl.load(w_row + cols, mask=cols < N, other=0.0,
                     eviction_policy="evict_last").to(tl.float32)
-        y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
-        tl.store(y_rows + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    else:
-        # pass 1: sum of squares over the chunks; pass 2: normalize chunk by chunk
-        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = token_mask[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
-            sum_sq += tl.sum(x * x, axis=1)
-        rstd = tl.rsqrt(sum_sq / N + eps)
-        for start in range(0, N, BLOCK_N):
-            c = start + cols
-            mask = token_mask[:, None] & (c < N)[None, :]
-            x = tl.load(x_rows + c[None, :], mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
-            w = tl.load(w_row + c, mask=c < N, other=0.0,
-                        eviction_policy="evict_last").to(tl.float32)
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask = _token_block(block_start, token_end, ROWS)
+            mask = token_mask[:, None] & (cols < N)[None, :]
+            x = tl.load(X + tokens[:, None] * stride_x + head * N + cols[None, :], mask=mask,
+                        other=0.0, eviction_policy="evict_first").to(tl.float32)
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
             y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
-            tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + head * n_tokens + tokens, rstd, mask=token_mask)
+            tl.store(Y + tokens[:, None] * stride_y + head * N + cols[None, :],
+                     y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(RSTD + head * n_tokens + tokens, rstd, mask=token_mask)
+    else:
+        # per token block: pass 1 sum of squares over the chunks; pass 2 normalize by chunk
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask = _token_block(block_start, token_end, ROWS)
+            x_rows = X + tokens[:, None] * stride_x + head * N
+            y_rows = Y + tokens[:, None] * stride_y + head * N
+            sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = token_mask[:, None] & (c < N)[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+                sum_sq += tl.sum(x * x, axis=1)
+            rstd = tl.rsqrt(sum_sq / N + eps)
+            for start in range(0, N, BLOCK_N):
+                c = start + cols
+                mask = token_mask[:, None] & (c < N)[None, :]
+                x = tl.load(x_rows + c[None, :], mask=mask, other=0.0,
+                            eviction_policy="evict_first").to(tl.float32)
+                w = tl.load(w_row + c, mask=c < N, other=0.0,
+                            eviction_policy="evict_last").to(tl.float32)
+                y = _normalize(x, rstd, w, offset, ROUND_XHAT, X.dtype.element_ty)
+                tl.store(y_rows + c[None, :], y.to(Y.dtype.element_ty), mask=mask)
+            tl.store(RSTD + head * n_tokens + tokens, rstd, mask=token_mask)
 
 
 @triton.jit
@@ -157,8 +165,8 @@ def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, tokens_per_p
                     eviction_policy="evict_last").to(tl.float32)
         dw_acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
         for block_start in range(token_start, token_end, ROWS):
-            tokens, token_mask, rstd = _token_block(RSTD, block_start, token_end, head,
-                                                    n_tokens, ROWS)
+            tokens, token_mask = _token_block(block_start, token_end, ROWS)
+            rstd = tl.load(RSTD + head * n_tokens + tokens, mask=token_mask, other=0.0)
             mask = token_mask[:, None] & (cols < N)[None, :]
             x, dy = _load_grad_tile(X, DY, tokens, head, cols, mask, stride_x, stride_dy, N,
                                     "evict_first")
@@ -177,8 +185,8 @@ def _backward_tensor(X, W, DY, DX, RSTD, DW_PARTIAL, pid, n_tokens, tokens_per_p
             tl.store(dw_row + start + cols, tl.zeros([BLOCK_N], dtype=tl.float32),
                      mask=start + cols < N)
         for block_start in range(token_start, token_end, ROWS):
-            tokens, token_mask, rstd = _token_block(RSTD, block_start, token_end, head,
-                                                    n_tokens, ROWS)
+            tokens, token_mask = _token_block(block_start, token_end, ROWS)
+            rstd = tl.load(RSTD + head * n_tokens + tokens, mask=token_mask, other=0.0)
             sum_g_xhat = tl.zeros([ROWS], dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 c = start + cols
@@ -215,13 +223,10 @@ def _normalize(x, rstd, w, offset, ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constex
 
 
 @triton.jit
-def _token_block(RSTD, block_start, token_end, head, n_tokens, ROWS: tl.constexpr):
-    """The ROWS token indices (int64) of a block, their mask, and their saved rstd."""
+def _token_block(block_start, token_end, ROWS: tl.constexpr):
+    """The ROWS token indices (int64) of a block from block_start, and their mask."""
     tokens = block_start + tl.arange(0, ROWS)
-    token_mask = tokens < token_end
-    tokens = tokens.to(tl.int64)
-    rstd = tl.load(RSTD + head * n_tokens + tokens, mask=token_mask, other=0.0)
-    return tokens, token_mask, rstd
+    return tokens.to(tl.int64), tokens < token_end
 
 
 @triton.jit

@@ -27,6 +27,10 @@ program). A longer row is read in BLOCK_N-wide chunks: the forward reads it twic
 squares, then output; with a residual the second pass reads the stored sum, not both inputs),
 the backward reads x and dy twice (c per row, then dx and dw).
 
+Both grids are persistent: a program handles ``rows_per_program`` rows and reads the weight
+once (once per chunk when chunked), not once per row. The chunked passes that need the weight
+run column chunk by column chunk over all rows of the program.
+
 Traffic (A = one M × N activation): single pass: forward 2A (add: 4A), backward 3A (+A with a
 residual gradient). Chunked: forward 3A (add: 5A), backward 5A. The bytes are counted by
 normtools.measure.kernel_traffic. Loads read once are marked evict_first; what a later pass
@@ -48,58 +52,63 @@ import triton.language as tl
 def rms_norm_fwd(
     X, RES, Y, SUM, W, RSTD,                # pointers; RES/SUM/W unused without residual/weight
     stride_x, stride_res, stride_y, stride_sum,   # row strides (elements)
-    M, N, eps, offset,
+    M, N, eps, offset, rows_per_program,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_XHAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
 ):
-    """One program normalizes BLOCK_M consecutive rows."""
+    """Persistent program pid normalizes rows [pid · rows_per_program, +rows_per_program) in
+    blocks of BLOCK_M rows; the weight is read once per program (per chunk when chunked)."""
     pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_mask = rows < M
-    rows = rows.to(tl.int64)  # 64-bit offsets: M · stride may exceed 2³¹
-    x_rows = rows[:, None] * stride_x
-    res_rows = rows[:, None] * stride_res
-    y_rows = rows[:, None] * stride_y
-    sum_rows = rows[:, None] * stride_sum
+    row_start = pid * rows_per_program
+    row_end = tl.minimum(row_start + rows_per_program, M)
     X_DTYPE = X.dtype.element_ty
 
     if SINGLE_PASS:
         # The whole row is in registers: read it once, reduce, normalize, write.
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        mask = row_mask[:, None] & col_mask[None, :]
-        x = _load_x(X, RES, SUM, x_rows + cols[None, :], res_rows + cols[None, :],
-                    sum_rows + cols[None, :], mask, HAS_RESIDUAL, "evict_first")
-        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
         s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
-        _normalize_store(Y, y_rows + cols[None, :], mask, x, rstd, s, X_DTYPE, ROUND_XHAT)
+        for block_start in range(row_start, row_end, BLOCK_M):
+            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            mask = row_mask[:, None] & col_mask[None, :]
+            x = _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
+                        HAS_RESIDUAL, "evict_first")
+            rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)
+            tl.store(RSTD + rows, rstd, mask=row_mask)
+            _normalize_store(Y, rows[:, None] * stride_y + cols[None, :], mask, x, rstd, s,
+                             X_DTYPE, ROUND_XHAT)
     else:
-        # Pass 1: sum of squares over the row, chunk by chunk (the residual sum is stored here).
-        sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            mask = row_mask[:, None] & (cols[None, :] < N)
-            x = _load_x(X, RES, SUM, x_rows + cols[None, :], res_rows + cols[None, :],
-                        sum_rows + cols[None, :], mask, HAS_RESIDUAL, "evict_last")
-            sum_sq += x * x
-        rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / N + eps)
-        tl.store(RSTD + rows, rstd, mask=row_mask)
-        if HAS_RESIDUAL:
-            tl.debug_barrier()  # the stored sum is re-read by other threads of this program
-        # Pass 2: read the row again (the stored sum with a residual) and write y.
+        # Pass 1, row block by row block: sum of squares over the chunks of each row, rstd
+        # stored (and the residual sum). Pass 2, column chunk by column chunk over all rows of
+        # this program: the chunk's scale is read once, the row chunk again (the stored sum
+        # with a residual) and y written.
+        for block_start in range(row_start, row_end, BLOCK_M):
+            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                mask = row_mask[:, None] & (cols[None, :] < N)
+                x = _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
+                            HAS_RESIDUAL, "evict_last")
+                sum_sq += x * x
+            tl.store(RSTD + rows, tl.rsqrt(tl.sum(sum_sq, axis=1) / N + eps), mask=row_mask)
+        tl.debug_barrier()  # rstd and the stored sum are re-read by other threads
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            mask = row_mask[:, None] & col_mask[None, :]
-            if HAS_RESIDUAL:
-                x = tl.load(SUM + sum_rows + cols[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
-            else:
-                x = tl.load(X + x_rows + cols[None, :], mask=mask, other=0.0,
-                            eviction_policy="evict_first").to(tl.float32)
             s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
-            _normalize_store(Y, y_rows + cols[None, :], mask, x, rstd, s, X_DTYPE, ROUND_XHAT)
+            for block_start in range(row_start, row_end, BLOCK_M):
+                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                mask = row_mask[:, None] & col_mask[None, :]
+                if HAS_RESIDUAL:
+                    x = tl.load(SUM + rows[:, None] * stride_sum + cols[None, :], mask=mask,
+                                other=0.0, eviction_policy="evict_first").to(tl.float32)
+                else:
+                    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask,
+                                other=0.0, eviction_policy="evict_first").to(tl.float32)
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                _normalize_store(Y, rows[:, None] * stride_y + cols[None, :], mask, x, rstd, s,
+                                 X_DTYPE, ROUND_XHAT)
 
 
 @triton.jit
@@ -124,9 +133,7 @@ def rms_norm_bwd(
         s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows = block_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            rows = rows.to(tl.int64)
+            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
             x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
                                           stride_dy, "evict_first")
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
@@ -140,32 +147,31 @@ def rms_norm_bwd(
         if HAS_WEIGHT:
             tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
-        # Long rows. Pass 1, row block by row block: c = mean(x_hat ⊙ g) of each row, kept in
-        # ROW_DOT. Pass 2, column chunk by column chunk, over all rows of this program: dx, and
-        # the chunk's dw accumulated in registers and stored once.
-        for block_start in range(row_start, row_end, BLOCK_M):
-            rows = block_start + tl.arange(0, BLOCK_M)
-            row_mask = rows < row_end
-            rows = rows.to(tl.int64)
-            dot = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                col_mask = cols < N
+        # Long rows, two passes over the columns, each chunk's scale read once per program.
+        # Pass 1: ROW_DOT[row] = Σ_chunks rstd · Σ(x ⊙ g) / N = c = mean(x_hat ⊙ g) of each row
+        # of this program. Pass 2: dx, and the chunk's dw accumulated in registers over the
+        # rows and stored once.
+        for start in range(0, N, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            col_mask = cols < N
+            s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+            for block_start in range(row_start, row_end, BLOCK_M):
+                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
                 x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
                                               stride_dy, "evict_last")
-                dot += x * dy * _scale(W, cols, col_mask, offset, HAS_WEIGHT)[None, :]
-            rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-            tl.store(ROW_DOT + rows, rstd * tl.sum(dot, axis=1) / N, mask=row_mask)
-        tl.debug_barrier()  # ROW_DOT is read back by other threads of this program
+                rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
+                c = rstd * tl.sum(x * dy * s[None, :], axis=1) / N
+                if start > 0:
+                    c += tl.load(ROW_DOT + rows, mask=row_mask, other=0.0)
+                tl.store(ROW_DOT + rows, c, mask=row_mask)
+            tl.debug_barrier()  # ROW_DOT is read back, by other threads of this program too
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
             s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
             dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows = block_start + tl.arange(0, BLOCK_M)
-                row_mask = rows < row_end
-                rows = rows.to(tl.int64)
+                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
                 x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
                                               stride_dy, "evict_first")
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
@@ -182,16 +188,25 @@ def rms_norm_bwd(
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
-def _load_x(X, RES, SUM, x_offsets, res_offsets, sum_offsets, mask,
+def _row_block(block_start, row_end, BLOCK_M: tl.constexpr):
+    """The BLOCK_M row indices from block_start (int64: row · stride may pass 2³¹), and their
+    mask (rows < row_end)."""
+    rows = block_start + tl.arange(0, BLOCK_M)
+    return rows.to(tl.int64), rows < row_end
+
+
+@triton.jit
+def _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
             HAS_RESIDUAL: tl.constexpr, EVICTION: tl.constexpr):
     """Load a tile of x as float32; with a residual, x = (x_in + residual) rounded to the input
     dtype, and stored to SUM."""
-    x = tl.load(X + x_offsets, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
+                eviction_policy=EVICTION).to(tl.float32)
     if HAS_RESIDUAL:
-        res = tl.load(RES + res_offsets, mask=mask, other=0.0,
+        res = tl.load(RES + rows[:, None] * stride_res + cols[None, :], mask=mask, other=0.0,
                       eviction_policy="evict_first").to(tl.float32)
         x_sum = (x + res).to(SUM.dtype.element_ty)
-        tl.store(SUM + sum_offsets, x_sum, mask=mask)
+        tl.store(SUM + rows[:, None] * stride_sum + cols[None, :], x_sum, mask=mask)
         x = x_sum.to(tl.float32)
     return x
 

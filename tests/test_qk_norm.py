@@ -197,8 +197,10 @@ def compile_kernels_for_sm90():
     for nq, nk, dtype, size in ((128, 128, "bf16", 2), (6144, 1024, "fp32", 4),
                                 (9216, 1024, "fp32", 4)):
         with _launch.planning_for_cuda():
-            rows, block_nq, block_nk, num_warps, _ = qk_module._blocking(
-                "qk_norm_bwd", 4096, nq, nk, torch.bfloat16 if size == 2 else torch.float32, "cpu")
+            plan, block_nq, block_nk = qk_module._blocking(
+                "qk_norm_bwd", 4096, nq, nk, 2, torch.bfloat16 if size == 2 else torch.float32,
+                "cpu")
+        rows, num_warps = plan.block_m, plan.num_warps
         sizes = dict(NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk)
         pointers = {name: f"*{dtype}" for name in ("Q", "K", "QW", "KW", "QY", "KY", "DQY", "DKY",
                                                   "DQ", "DK")}

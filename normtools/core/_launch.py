@@ -124,8 +124,15 @@ class _InterpretedKernel:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             with self._lock, self._interpreter_mode():
+                observer = INTERPRETED_LAUNCH_OBSERVER.get()
+                if observer is not None:
+                    observer(self.kernel.fn.__name__, tuple(grid))
                 return self._twin(self.kernel)[grid](*args, **kwargs)
         return launch
+
+
+# Called with (kernel name, grid) before each interpreted launch (the bytes counter's hook).
+INTERPRETED_LAUNCH_OBSERVER = contextvars.ContextVar("normtools_launch_observer", default=None)
 
 
 _LAUNCH_RECORDER = contextvars.ContextVar("normtools_launch_recorder", default=None)
@@ -266,9 +273,8 @@ del _
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """One launch of a row-wise kernel over an (M, N) matrix: BLOCK_M rows x BLOCK_N columns
-    per tile, ``num_warps``, a grid of ``programs``, each handling ``rows_per_program`` rows
-    (BLOCK_M for a forward; a persistent backward program loops over its rows), and the reason
-    the configuration was picked."""
+    per tile, ``num_warps``, a persistent grid of ``programs``, each looping over
+    ``rows_per_program`` rows, and the reason the configuration was picked."""
 
     block_m: int
     block_n: int
@@ -288,13 +294,17 @@ def cuda_row_config(kernel, element_size, n):
     return next(config for config in table if n <= config.n_max)
 
 
-def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT):
+def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1):
     """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
     reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
     spill report) use the same block sizes and grid.
 
-    CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n); backward grids are
-    persistent, PROGRAMS_PER_SM x ``sm_count`` programs at most. CPU (Triton's interpreter):
+    Grids are persistent: ``slots`` independent row sets (QK-Norm: one per head slot of q and
+    k) get ``groups`` programs each, about PROGRAMS_PER_SM x ``sm_count`` programs in all, and
+    a program loops over ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the
+    weight is read once per program, not once per row.
+
+    CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n). CPU (Triton's interpreter):
     BLOCK_N = next_power_of_2(n) up to MAX_CHUNK_BYTES / element size, TILE_ELEMENTS["cpu"]
     values per tile, CPU_PROGRAMS programs in a persistent grid.
     """
@@ -311,11 +321,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         reason = "CPU interpreter: large tiles (about 1 ms per program)"
     block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
     blocks = triton.cdiv(m, block_m)
-    if kernel.endswith("_bwd"):
-        programs = max(1, min(limit, blocks))
-        rows_per_program = triton.cdiv(blocks, programs) * block_m
-    else:
-        programs, rows_per_program = blocks, block_m
+    groups = max(1, min(blocks, triton.cdiv(limit, slots)))
+    programs, rows_per_program = slots * groups, triton.cdiv(blocks, groups) * block_m
     return LaunchPlan(block_m, block_n, num_warps, programs, rows_per_program, n <= block_n,
                       reason)
 
@@ -340,17 +347,17 @@ def _sm_count(index):
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def plan_for(kernel, dtype, m, n, device):
+def plan_for(kernel, dtype, m, n, device, slots=1):
     """``launch_plan`` for tensors on ``device`` (its SM count on CUDA), or for the CUDA device
     of an enclosing ``planning_for_cuda``."""
     target = _PLAN_TARGET.get()
     if target is not None:
-        return launch_plan(kernel, dtype, m, n, *target)
+        return launch_plan(kernel, dtype, m, n, *target, slots=slots)
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return launch_plan(kernel, dtype, m, n, "cuda", _sm_count(index))
-    return launch_plan(kernel, dtype, m, n, "cpu")
+        return launch_plan(kernel, dtype, m, n, "cuda", _sm_count(index), slots)
+    return launch_plan(kernel, dtype, m, n, "cpu", slots=slots)
 
 
 def sum_partials(partial, dtype):
@@ -365,5 +372,6 @@ def sum_partials(partial, dtype):
     if n_partials == 0:
         return out.zero_()
     kernel_for(_partials.sum_partials, partial.device)[(triton.cdiv(n, block_n), n_out)](
-        partial, out, n_partials, n_out, n, partial.stride(0), BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+        partial, out, n_partials, n_out, n, partial.stride(0), BLOCK_P=block_p, BLOCK_N=block_n,
+        num_warps=4)
     return out

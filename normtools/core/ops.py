@@ -68,7 +68,7 @@ def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
         kernel_for(_rms.rms_norm_fwd, x.device)[(plan.programs,)](
             x2, res2, y, sum2, _param_or(weight, x2), rstd,
             x2.stride(0), res2.stride(0), n, sum2.stride(0),
-            m, n, eps, offset,
+            m, n, eps, offset, plan.rows_per_program,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             ROUND_XHAT=casting == "llama", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
@@ -204,7 +204,7 @@ def _layer_norm_fwd_triton(x, weight, bias, eps):
     if m > 0:
         kernel_for(_ln.layer_norm_fwd, x.device)[(plan.programs,)](
             x2, y, _param_or(weight, x2), _param_or(bias, x2), mean, rstd,
-            x2.stride(0), n, m, n, eps,
+            x2.stride(0), n, m, n, eps, plan.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass,
             num_warps=plan.num_warps,

@@ -151,13 +151,12 @@ def _torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
 
 # ----------------------------------------------------------------------------- triton backend
 
-def _blocking(kernel, n_tokens, nq, nk, dtype, device):
-    """(ROWS tokens per block, BLOCK_NQ, BLOCK_NK, num_warps, programs of a persistent grid)
-    for the q/k launch of ``kernel`` ("qk_norm_fwd" / "qk_norm_bwd"), from the launch plan
-    of the longer row."""
-    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device)
-    return (plan.block_m, min(triton.next_power_of_2(nq), plan.block_n),
-            min(triton.next_power_of_2(nk), plan.block_n), plan.num_warps, plan.programs)
+def _blocking(kernel, n_tokens, nq, nk, slots, dtype, device):
+    """(launch plan, BLOCK_NQ, BLOCK_NK) of the q/k launch of ``kernel`` ("qk_norm_fwd" /
+    "qk_norm_bwd") over ``slots`` = Hq + Hk head slots, from the plan of the longer row."""
+    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device, slots)
+    return (plan, min(triton.next_power_of_2(nq), plan.block_n),
+            min(triton.next_power_of_2(nk), plan.block_n))
 
 
 def _head_stride(weight, row_len):
@@ -177,16 +176,15 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     k_rstd = torch.empty(hk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qy, ky, q_rstd, k_rstd
-    rows, block_nq, block_nk, num_warps, _ = _blocking("qk_norm_fwd", n_tokens, nq, nk,
-                                                       q2d.dtype, device)
-    n_token_blocks = triton.cdiv(n_tokens, rows)
-    kernel_for(_k.qk_norm_fwd, device)[((hq + hk) * n_token_blocks,)](
+    plan, block_nq, block_nk = _blocking("qk_norm_fwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
+                                         device)
+    kernel_for(_k.qk_norm_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
-        n_tokens, hq, hk, hq * n_token_blocks,
+        n_tokens, plan.rows_per_program, hq, hk, plan.programs // (hq + hk) * hq,
         q2d.stride(0), k2d.stride(0), qy.stride(0), ky.stride(0),
         _head_stride(q_weight, nq), _head_stride(k_weight, nk), eps, offset,
-        NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
-        ROUND_XHAT=casting == "llama", num_warps=num_warps)
+        NQ=nq, NK=nk, ROWS=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+        ROUND_XHAT=casting == "llama", num_warps=plan.num_warps)
     return qy, ky, q_rstd, k_rstd
 
 
@@ -208,22 +206,21 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     dqy, dky = as_rows(dqy), as_rows(dky)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    rows, block_nq, block_nk, num_warps, programs = _blocking("qk_norm_bwd", n_tokens, nq, nk,
-                                                              q2d.dtype, device)
     # persistent grid: the token blocks of each head slot are shared by `groups` programs
-    n_token_blocks = triton.cdiv(n_tokens, rows)
-    groups = min(n_token_blocks, triton.cdiv(programs, hq + hk))
-    tokens_per_program = triton.cdiv(n_token_blocks, max(groups, 1)) * rows
+    plan, block_nq, block_nk = _blocking("qk_norm_bwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
+                                         device)
+    groups = plan.programs // (hq + hk) if n_tokens > 0 else 0
     dqw_partial = torch.empty(hq * groups, nq, device=device, dtype=torch.float32)
     dkw_partial = torch.empty(hk * groups, nk, device=device, dtype=torch.float32)
     if n_tokens > 0:
-        kernel_for(_k.qk_norm_bwd, device)[((hq + hk) * groups,)](
+        kernel_for(_k.qk_norm_bwd, device)[(plan.programs,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), dqy, dky, dq, dk,
             q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens, tokens_per_program, hq, hk, hq * groups,
+            n_tokens, plan.rows_per_program, hq, hk, hq * groups,
             q2d.stride(0), k2d.stride(0), dqy.stride(0), dky.stride(0), dq.stride(0),
             dk.stride(0), _head_stride(q_weight, nq), _head_stride(k_weight, nk), offset,
-            NQ=nq, NK=nk, ROWS=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk, num_warps=num_warps)
+            NQ=nq, NK=nk, ROWS=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+            num_warps=plan.num_warps)
     return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
             _sum_partials(dkw_partial, hk, k_weight))
 

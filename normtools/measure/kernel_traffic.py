@@ -1,0 +1,240 @@
+"""Bytes that the Triton kernels' loads and stores touch, counted on CPU.
+
+``counting_bytes()`` instruments Triton's interpreter: every ``tl.load`` / ``tl.store`` of an
+interpreted launch adds (masked-in lanes) × (element size) to the running kernel's count,
+split by direction and eviction hint, and the distinct addresses are kept too. Inside
+``normtools.core._launch.planning_for_cuda`` the ops launch exactly as on a GPU: the block
+sizes, chunking, warps and persistent grid of the CUDA launch plan, not the CPU's tiles.
+
+``kernel_traffic()`` runs every op (forward, forward+backward) that way and reports the bytes
+touched against the minimum of ``normtools.measure.bench.traffic.bytes_moved``:
+
+    touched = Σ over launches, loads and stores, of the bytes of masked-in lanes
+    unique  = Σ over launches of the distinct bytes addressed (an ideal cache's traffic)
+    ratio   = touched / minimum
+
+Scaling. Traffic per row is what matters, and the interpreter costs about 1 ms per program,
+so a case does not run its real M (4096 rows by default) but the rows of ``SIMULATED_PROGRAMS``
+programs of its real plan: M_sim = SIMULATED_PROGRAMS × rows_per_program, with a grid of that
+many programs (a GPU of SIMULATED_PROGRAMS / PROGRAMS_PER_SM SMs). Every program then does
+exactly what it does in the real launch, and the bytes are scaled by M / M_sim; the minimum is
+counted at the real M. What this leaves out: the real grid's idle programs (rows_per_program
+does not always divide M), and the caches: a re-read that hits L2 is counted like one that
+goes to DRAM (``unique`` is the other bound).
+"""
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+
+import numpy as np
+import pandas as pd
+import torch
+import triton.runtime.interpreter as triton_interpreter
+
+import normtools
+from normtools.core import _launch
+from normtools.measure.bench.plan import QK_OPS, make_inputs
+from normtools.measure.bench.traffic import bytes_moved
+
+# The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes.
+OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm", "layer_norm_fwd_bwd",
+       "qk_norm_per_head", "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer",
+       "qk_norm_per_layer_fwd_bwd")
+ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
+SIMULATED_PROGRAMS = 2
+REAL_M = 4096
+
+
+@dataclasses.dataclass
+class KernelBytes:
+    """Bytes one kernel's launches touched: ``loads`` / ``stores`` keyed by eviction hint
+    ("" for none), ``unique`` distinct bytes summed over launches, and the launch count."""
+
+    loads: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
+    stores: dict = dataclasses.field(default_factory=lambda: defaultdict(int))
+    unique: int = 0
+    launches: int = 0
+
+    @property
+    def touched(self):
+        return sum(self.loads.values()) + sum(self.stores.values())
+
+
+@contextlib.contextmanager
+def counting_bytes(touch_memory=True, trace=None):
+    """Count the bytes of every load and store of interpreted launches in this context.
+
+    Yields a dict {kernel name: KernelBytes}. A lane counts when its mask is true; a load or
+    store without a mask counts every lane. With ``trace`` (a list), each access appends
+    ("load" | "store", element addresses of the masked-in lanes, element size). With
+    ``touch_memory=False`` nothing is read or written: loads return their ``other`` value (0),
+    stores are dropped, so offsets can be checked at sizes that do not fit in memory.
+    Restores the interpreter on exit.
+    """
+    builder = triton_interpreter.interpreter_builder
+    counts = defaultdict(KernelBytes)
+    state = {"kernel": None, "addresses": []}
+
+    def finish_launch():
+        if state["kernel"] is not None and state["addresses"]:
+            counts[state["kernel"]].unique += _distinct_bytes(state["addresses"])
+        state["addresses"] = []
+
+    def observe(kernel_name, grid):
+        finish_launch()
+        state["kernel"] = kernel_name
+        counts[kernel_name].launches += 1
+
+    def record(kind, table, ptrs, mask, hint):
+        itemsize = np.dtype(triton_interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
+        lanes = np.broadcast_to(mask.data, ptrs.data.shape)
+        table[hint or ""] += int(lanes.sum()) * itemsize
+        addresses = ptrs.data[lanes].astype(np.uint64)
+        state["addresses"].append((addresses, itemsize))
+        if trace is not None:
+            trace.append((kind, addresses, itemsize))
+
+    def masked_load(ptrs, mask, other, cache_policy, is_volatile):
+        record("load", counts[state["kernel"]].loads, ptrs, mask, cache_policy)
+        if touch_memory:
+            return original_load(ptrs, mask, other, cache_policy, is_volatile)
+        dtype = ptrs.get_element_ty()
+        data = np.zeros(ptrs.data.shape, dtype=triton_interpreter._get_np_dtype(dtype))
+        if other is not None:
+            data = np.broadcast_to(other.data, ptrs.data.shape).copy()
+        return triton_interpreter.TensorHandle(data, dtype)
+
+    def masked_store(ptrs, value, mask, cache_policy):
+        record("store", counts[state["kernel"]].stores, ptrs, mask, cache_policy)
+        if touch_memory:
+            return original_store(ptrs, value, mask, cache_policy)
+
+    original_load, original_store = builder.create_masked_load, builder.create_masked_store
+    builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
+    builder.get_cache_policy = lambda cache_modifier, eviction_policy: eviction_policy or ""
+    token = _launch.INTERPRETED_LAUNCH_OBSERVER.set(observe)
+    try:
+        yield counts
+        finish_launch()
+    finally:
+        _launch.INTERPRETED_LAUNCH_OBSERVER.reset(token)
+        for name in ("create_masked_load", "create_masked_store", "get_cache_policy"):
+            vars(builder).pop(name, None)
+
+
+def _distinct_bytes(accesses):
+    """Distinct bytes of the accesses [(element addresses, element size), ...]: the distinct
+    element addresses, each counted with its size (a tensor has one element size)."""
+    addresses = np.concatenate([a for a, _ in accesses])
+    sizes = np.concatenate([np.full(a.size, size, dtype=np.int64) for a, size in accesses])
+    _, first = np.unique(addresses, return_index=True)
+    return int(sizes[first].sum())
+
+
+def minimum_bytes(op, shape, dtype):
+    """The minimum traffic of ``op``: ``bench.bytes_moved`` for the ops it knows, and the same
+    rule (each input read once, each output written once) for the backward passes it lacks:
+
+    * layer_norm_fwd_bwd:  forward 2A + 2W; backward read x, dy, w, write dx, dw, db
+                           = 5A + 5W;
+    * qk_norm_*_fwd_bwd:   forward 2Q + 2K + Wq + Wk; backward read q, k, dq_out, dk_out,
+                           q_w, k_w, write dq, dk, dq_w, dk_w = 5Q + 5K + 3(Wq + Wk).
+    """
+    if op == "layer_norm_fwd_bwd":
+        s = torch.empty(0, dtype=dtype).element_size()
+        return 5 * shape["M"] * shape["N"] * s + 5 * shape["N"] * s
+    if op.endswith("_fwd_bwd") and op[:-len("_fwd_bwd")] in QK_OPS:
+        weights = bytes_moved(op[:-len("_fwd_bwd")], dict(shape, T=0), dtype)
+        activations = bytes_moved(op[:-len("_fwd_bwd")], shape, dtype) - weights  # 2Q + 2K
+        return activations * 5 // 2 + 3 * weights
+    return bytes_moved(op, shape, dtype)
+
+
+def simulated_shape(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT):
+    """The shape a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
+    (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
+    QK-Norm: SIMULATED_PROGRAMS programs per head slot)."""
+    kernel = ("qk_norm" if op.startswith("qk_norm") else
+              "layer_norm" if op.startswith("layer_norm") else "rms_norm")
+    kernel += "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
+    if op.startswith("qk_norm"):
+        per_head = "per_head" in op
+        m, n = shape["T"], shape["D"] if per_head else shape["Hq"] * shape["D"]
+        slots = shape["Hq"] + shape["Hk"] if per_head else 2
+        plan = _launch.launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots)
+        return dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
+    plan = _launch.launch_plan(kernel, dtype, shape["M"], shape["N"], "cuda", sm_count)
+    return dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
+
+
+def _run(op, inputs):
+    """Run ``op`` (forward, and backward for *_fwd_bwd) on the triton backend."""
+    backward = op.endswith("_fwd_bwd")
+    base = op[:-len("_fwd_bwd")] if backward else op
+    tensors = {k: v.detach().requires_grad_(backward) for k, v in inputs.items()
+               if isinstance(v, torch.Tensor)}
+    if base.startswith("qk_norm"):
+        outs = normtools.qk_norm(tensors["q"], tensors["k"], tensors["q_w"], tensors["k_w"],
+                                 head_dim=inputs["D"], scope=base[len("qk_norm_"):],
+                                 backend="triton")
+    elif base == "rms_norm":
+        outs = (normtools.rms_norm(tensors["x"], tensors["w"], backend="triton"),)
+    elif base == "add_rms_norm":
+        outs = normtools.add_rms_norm(tensors["x"], tensors["residual"], tensors["w"],
+                                      backend="triton")
+    else:
+        outs = (normtools.layer_norm(tensors["x"], tensors["w"], tensors.get("b"),
+                                     backend="triton"),)
+    if backward:
+        torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
+
+
+def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_COUNT):
+    """Counted bytes of one case: a dict with the simulated shape, the scale to the real
+    shape, touched / unique bytes (scaled), the minimum, launches and the bytes by hint."""
+    sim = simulated_shape(op, shape, dtype, sm_count)
+    base = op[:-len("_fwd_bwd")] if op.endswith("_fwd_bwd") else op
+    inputs = make_inputs(base if base in ("rms_norm", "add_rms_norm") or base in QK_OPS
+                         else "layer_norm", sim, dtype, "cpu")
+    inputs["D"] = shape.get("D")
+    scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
+    simulated_sms = max(1, SIMULATED_PROGRAMS // _launch.PROGRAMS_PER_SM)
+    with _launch.planning_for_cuda(simulated_sms), counting_bytes() as counts:
+        _run(op, inputs)
+    hints = defaultdict(int)
+    for kb in counts.values():
+        for hint, b in list(kb.loads.items()) + list(kb.stores.items()):
+            hints[hint or "none"] += b
+    touched = sum(kb.touched for kb in counts.values()) * scale
+    minimum = minimum_bytes(op, shape, dtype)
+    return {"touched": touched, "unique": sum(kb.unique for kb in counts.values()) * scale,
+            "minimum": minimum, "ratio": touched / minimum,
+            "launches": sum(kb.launches for kb in counts.values()),
+            "kernels": ", ".join(sorted(counts)), "scale": scale,
+            **{f"bytes_{h}": b * scale for h, b in sorted(hints.items())}}
+
+
+def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
+                   qk_layout=(32, 8, 128), sm_count=_launch.DEFAULT_SM_COUNT):
+    """Bytes touched ÷ minimum for every op and row length, with the CUDA launch plans.
+
+    Row ops run at (m, N) for N in ``ns``; QK ops at T = m tokens with (Hq, Hk, D) =
+    ``qk_layout`` (one shape: N is head_dim per head and Hq · head_dim per layer). Returns a
+    DataFrame: op, dtype, shape, N, touched, unique, minimum, ratio, unique_ratio, launches,
+    kernels, scale and the bytes by eviction hint. See the module docstring for the scaling.
+    """
+    rows = []
+    for op in ops:
+        if op.startswith("qk_norm"):
+            hq, hk, d = qk_layout
+            shapes = [{"T": m, "Hq": hq, "Hk": hk, "D": d}]
+        else:
+            shapes = [{"M": m, "N": n} for n in ns]
+        for shape in shapes:
+            result = case_traffic(op, shape, dtype, sm_count)
+            n = shape.get("N") or (shape["D"] if "per_head" in op else shape["Hq"] * shape["D"])
+            rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
+                         "shape": " ".join(f"{k}={v}" for k, v in shape.items()), "N": n,
+                         **result, "unique_ratio": result["unique"] / result["minimum"]})
+    return pd.DataFrame(rows)

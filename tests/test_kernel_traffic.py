@@ -1,0 +1,130 @@
+"""normtools.measure.kernel_traffic: the bytes counter, against byte counts made by hand.
+
+Toy kernels whose traffic is known exactly (masked copies, a re-read, a 2-D tile), one real op
+counted by hand from its launch plan, and the ratios of the single-pass paths at the CUDA
+plan. On CPU the kernels run under Triton's interpreter, which the counter instruments.
+"""
+
+import numpy as np
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import normtools
+from normtools.core import _launch
+from normtools.measure import kernel_traffic as kt
+
+
+@triton.jit
+def _masked_copy(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    tl.store(Y + offs, tl.load(X + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+@triton.jit
+def _read_twice(X, Y, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n
+    a = tl.load(X + offs, mask=mask, other=0.0, eviction_policy="evict_last")
+    b = tl.load(X + offs, mask=mask, other=0.0)
+    tl.store(Y + tl.program_id(0), tl.sum(a * b, axis=0))
+
+
+@triton.jit
+def _tile_rows(X, Y, m, n, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows = tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    mask = (rows < m)[:, None] & (cols < n)[None, :]
+    x = tl.load(X + rows[:, None] * stride + cols[None, :], mask=mask, other=0.0)
+    tl.store(Y + rows, tl.sum(x, axis=1), mask=rows < m)
+
+
+def _run(kernel, grid, *args, **kwargs):
+    with kt.counting_bytes() as counts:
+        _launch.kernel_for(kernel, "cpu")[grid](*args, **kwargs)
+    return counts[kernel.fn.__name__]
+
+
+def test_masked_lanes_only():
+    """100 float32 values copied by 2 programs of 64 lanes: 28 lanes are masked off."""
+    x, y = torch.arange(100, dtype=torch.float32), torch.zeros(100)
+    got = _run(_masked_copy, (2,), x, y, 100, BLOCK=64)
+    assert dict(got.loads) == {"evict_first": 400} and got.touched == 800
+    assert got.unique == 800 and got.launches == 1
+    assert torch.equal(y, x)                                  # the copy really ran
+
+
+def test_rereads_count_twice_and_unique_once():
+    """bf16: 40 values read twice by each of 3 programs, one float32 stored per program."""
+    x, y = torch.ones(40, dtype=torch.bfloat16), torch.zeros(3)
+    got = _run(_read_twice, (3,), x, y, 40, BLOCK=64)
+    assert got.loads["evict_last"] == 3 * 80 and sum(got.loads.values()) == 3 * 160
+    assert sum(got.stores.values()) == 3 * 4
+    assert got.unique == 80 + 12                                # x once, the 3 outputs
+
+
+def test_strided_tile():
+    """A (5 of 8) x (33 of 64) tile of a row-strided float16 matrix, row sums stored."""
+    x, y = torch.ones(5, 100, dtype=torch.float16), torch.zeros(5)
+    got = _run(_tile_rows, (1,), x, y, 5, 33, 100, BLOCK_M=8, BLOCK_N=64)
+    assert sum(got.loads.values()) == 5 * 33 * 2 and sum(got.stores.values()) == 5 * 4
+    assert torch.equal(y, torch.full((5,), 33.0))
+
+
+def test_dry_run_touches_no_memory():
+    """touch_memory=False: addresses are traced, nothing is read or written."""
+    x, y = torch.arange(10, dtype=torch.float32), torch.zeros(10)
+    trace = []
+    with kt.counting_bytes(touch_memory=False, trace=trace):
+        _launch.kernel_for(_masked_copy, "cpu")[(1,)](x, y, 10, BLOCK=16)
+    assert torch.equal(y, torch.zeros(10))
+    (load, a, size_a), (store, b, size_b) = trace
+    assert (load, store, size_a, size_b) == ("load", "store", 4, 4)
+    assert np.array_equal(a - x.data_ptr(), 4 * np.arange(10))
+    assert np.array_equal(b - y.data_ptr(), 4 * np.arange(10))
+
+
+def test_rms_norm_forward_counted_by_hand():
+    """rms_norm, float32, M = 4, N = 64 with the CUDA plan of a 1-SM GPU: one program of
+    BLOCK_M = 4 rows reads x and w once and writes y and rstd."""
+    x, w = torch.randn(4, 64), torch.randn(64)
+    with _launch.planning_for_cuda(1), kt.counting_bytes() as counts:
+        normtools.rms_norm(x, w, backend="triton")
+    got = counts["rms_norm_fwd"]
+    assert sum(got.loads.values()) == 4 * 64 * 4 + 64 * 4
+    assert sum(got.stores.values()) == 4 * 64 * 4 + 4 * 4
+
+
+def test_counter_sees_the_cuda_plan():
+    """Inside planning_for_cuda a CPU launch gets the CUDA grid. rms_norm, bf16, M = 8 rows
+    of N = 8192: the CPU packs all rows into one 65536-value tile (one program, w read once);
+    a 1-SM GPU's plan gives one row per block and a persistent grid of 2 programs (w twice)."""
+    x, w = torch.randn(8, 8192, dtype=torch.bfloat16), torch.ones(8192, dtype=torch.bfloat16)
+    with kt.counting_bytes() as cpu:
+        normtools.rms_norm(x, w, backend="triton")
+    with _launch.planning_for_cuda(1), kt.counting_bytes() as cuda:
+        normtools.rms_norm(x, w, backend="triton")
+    act, row = 8 * 8192 * 2, 8192 * 2
+    assert sum(cpu["rms_norm_fwd"].loads.values()) == act + row
+    assert sum(cuda["rms_norm_fwd"].loads.values()) == act + 2 * row
+
+
+def test_minimum_bytes_of_the_backward_ops():
+    """The minimum that bench.bytes_moved lacks, from its rule: 5A + 5W for LayerNorm
+    forward+backward; 5(Q + K) + 3(Wq + Wk) for QK-Norm forward+backward."""
+    assert kt.minimum_bytes("layer_norm_fwd_bwd", {"M": 8, "N": 16}, torch.bfloat16) == (
+        5 * 8 * 16 * 2 + 5 * 16 * 2)
+    shape = {"T": 8, "Hq": 4, "Hk": 2, "D": 16}
+    q, k, wq = 8 * 4 * 16 * 2, 8 * 2 * 16 * 2, 16 * 2
+    assert kt.minimum_bytes("qk_norm_per_head_fwd_bwd", shape, torch.bfloat16) == (
+        5 * (q + k) + 3 * 2 * wq)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "add_rms_norm"])
+def test_single_pass_ratios_at_the_cuda_plan(op):
+    """N = 2048, bf16, M = 4096 on an H200's plan: at most 5 % above the minimum (the weight
+    is read once per program of the persistent grid, not once per row)."""
+    result = kt.case_traffic(op, {"M": 4096, "N": 2048})
+    assert 1.0 <= result["ratio"] <= 1.05, result
