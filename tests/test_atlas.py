@@ -191,3 +191,18 @@ def test_atlas_table_json_and_compare(capsys, committed, tmp_path):
     code, out, _ = run_cli(capsys, "atlas", "--compare", str(tmp_path / "new.json"))
     d = json.loads(out)
     assert d["changed"] == {"llama": {"placement": ["pre", "post"]}} and d["removed"] == ["gpt2"]
+
+
+def test_reprobe_flag_shows_no_change_for_a_current_family_and_cards_name_the_reason(capsys, committed):
+    code, out, _ = run_cli(capsys, "atlas", "--reprobe", "llama")
+    assert code == 0 and json.loads(out)["changed"] == {}
+    family, reason = next(iter(sorted(committed["not_probed"].items())))
+    code, _, err = run_cli(capsys, "card", family)
+    assert code == 2 and "not probed" in err and reason.split(":")[0] in err
+
+
+def test_qk_weight_shape_is_named_per_scope(committed):
+    rows = {r["model_type"]: r for r in atlas.atlas_rows(committed)}
+    assert rows["qwen3"]["qk_weight"] == "head_dim"  # Qwen3RMSNorm(self.head_dim)
+    assert rows["olmo2"]["qk_weight"] == "H*head_dim"  # Olmo2RMSNorm(num_attention_heads * head_dim)
+    assert rows["llama"]["qk_weight"] == "none"

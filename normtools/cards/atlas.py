@@ -887,10 +887,23 @@ def atlas_rows(atlas=None) -> list:
             "model_type": model_type, "norm": b.kind, "eps": b.eps, "scale": "1+w" if b.offset == 1 else "w",
             "bias": b.bias, "casting": b.casting, "placement": s.placement,
             "final_norm": s.final_norm is not None, "qk_norm": s.qk_norm.scope,
-            "qk_before_rope": s.qk_norm.before_rope, "other_norms": len(s.other_norms),
+            "qk_before_rope": s.qk_norm.before_rope, "qk_weight": _qk_weight(row["probe"]),
+            "other_norms": len(s.other_norms),
             "attn_bias": s.biases.q or s.biases.k or s.biases.v, "sinks": s.attention_sinks,
         })
     return rows
+
+
+def _qk_weight(probe: dict) -> str:
+    """The q-norm weight's shape in words: "head_dim", "H*head_dim", "H x head_dim" or "none"."""
+    q = next((v for v in probe["qk_norms"].values() if v["which"] == "q"), None)
+    if q is None:
+        return "none"
+    shape, heads = q["weight_shape"], q["heads"]
+    d = probe["tiny_config"].get("head_dim") or probe["tiny_config"]["hidden_size"] // heads
+    if shape is None:
+        return "no weight"
+    return {(d,): "head_dim", (heads * d,): "H*head_dim", (heads, d): "H x head_dim"}.get(tuple(shape), str(shape))
 
 
 def compare_atlases(old: dict, new: dict) -> dict:
