@@ -8,7 +8,6 @@ LayerNorm and transformers' RMSNorm classes). A sample of families is re-probed 
 the committed atlas.
 """
 
-import argparse
 import json
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 
 from normtools import cards
 from normtools.cards import atlas
-from normtools.cards.cli import add_cli
+from test_cli import run_cli
 
 transformers = pytest.importorskip("transformers")
 
@@ -160,15 +159,6 @@ def test_probe_norm_measures_an_eps_the_module_does_not_expose():
 
 
 # ------------------------------------------------------------------ CLI
-
-def run_cli(capsys, *argv):
-    parser = argparse.ArgumentParser(prog="normtools")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code = args.func(args)
-    out, err = capsys.readouterr()
-    return code, out, err
-
 
 def test_card_and_diff_of_atlas_families(capsys, committed):
     code, out, _ = run_cli(capsys, "card", "glm4")
