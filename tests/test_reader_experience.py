@@ -275,6 +275,7 @@ DIAGRAM_GEOMETRY = """() => [...document.querySelectorAll('figure.diagram')].map
   if (!svg) { return {svg: false}; }
   const box = svg.getBoundingClientRect(), view = svg.viewBox.baseVal;
   return {svg: true, width: box.width, height: box.height, view_width: view.width,
+          figure_right: d.getBoundingClientRect().right,
           view_height: view.height, shapes: svg.querySelectorAll('g, path, rect').length,
           text: svg.textContent.trim().slice(0, 40)};
 })"""
@@ -294,7 +295,9 @@ def _diagram_counts():
 @pytest.mark.parametrize("width", [1280, 390])
 def test_diagrams_render_from_disk_and_size_to_their_content(site, browser, width):
     """Opened from file:// (no server, no script), every diagram is a drawn SVG, none shows its
-    source, and each is as tall as its content at the page's width (no fixed-height box)."""
+    source, each is as tall as its content at the page's width (no fixed-height box), its labels
+    stay legible (drawn at >= 0.55 of its size; a wider one scrolls inside its figure), and no
+    figure runs off the page."""
     chromium, _ = browser
     counts = _diagram_counts()
     assert counts, "no mermaid diagram in any chapter: this test checks nothing"
@@ -314,8 +317,11 @@ def test_diagrams_render_from_disk_and_size_to_their_content(site, browser, widt
             where = f"{stem} diagram {i} at {width} px"
             if not d["svg"] or d["shapes"] <= 3 or not d["text"]:
                 problems.append(f"{where}: not drawn ({d})")
-            elif not (20 <= d["height"] <= 700 and d["width"] <= width):
-                problems.append(f"{where}: {d['width']:.0f} x {d['height']:.0f} px")
+            elif not (20 <= d["height"] <= 700 and d["figure_right"] <= width):
+                problems.append(f"{where}: {d['width']:.0f} x {d['height']:.0f} px, figure ends at "
+                                f"{d['figure_right']:.0f} px")
+            elif d["width"] / d["view_width"] < 0.55:                  # 16 px labels below 9 px
+                problems.append(f"{where}: drawn at {d['width'] / d['view_width']:.2f} of its size")
             elif abs(d["height"] / d["width"] - d["view_height"] / d["view_width"]) > 0.02:
                 problems.append(f"{where}: box {d['width']:.0f} x {d['height']:.0f} px for a "
                                 f"{d['view_width']:.0f} x {d['view_height']:.0f} drawing (empty space)")

@@ -35,12 +35,26 @@ class MermaidSvg(SphinxDirective):
             (svg,) = render_svgs([source], root / CACHE, root / MERMAID_JS).values()
         except ValueError as error:
             raise self.error(str(error)) from None
+        svg = _legible(svg)
         label = html.escape(self.options.get("alt") or self.options.get("caption") or "diagram")
         caption = self.options.get("caption")
         figure = (f'<figure class="diagram" role="img" aria-label="{label}" '
-                  f'style="margin: 1em 0; text-align: center">{svg}'
+                  f'style="margin: 1em 0; text-align: center; overflow-x: auto">{svg}'
                   + (f"<figcaption>{html.escape(caption)}</figcaption>" if caption else "") + "</figure>")
         return [nodes.raw("", figure, format="html")]
+
+
+#: The smallest scale a diagram is drawn at: mermaid's 16 px labels stay >= 9 px on a phone. A
+#: wider diagram than the page allows at that scale scrolls sideways inside its figure.
+MIN_SCALE = 0.56
+
+
+def _legible(svg):
+    """Add a ``min-width`` of ``MIN_SCALE`` times the natural width to mermaid's ``max-width``."""
+    from normtools.book.diagrams import svg_size
+
+    width, _ = svg_size(svg)
+    return svg.replace('style="max-width:', f'style="min-width: {MIN_SCALE * width:.0f}px; max-width:', 1)
 
 
 def setup(app):
