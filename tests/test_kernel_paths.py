@@ -1,0 +1,163 @@
+"""Kernel paths that the default CPU shapes never reach, forced on CPU.
+
+* Issue 15.17: the chunked backward across several programs, some of them idle: their
+  partial dw rows must be written (zeros), and the cross-program sum must be right. Every
+  float32 buffer is allocated full of NaN, so a row that no program writes cannot pass.
+* Issue 15.18: what the CPU determinism tests prove. Triton's interpreter runs the programs of
+  a grid one at a time, in order, so running twice and comparing can never fail. What can
+  break determinism is a result that depends on the order programs run in (atomics, a buffer
+  shared between programs); here the grid is also run in reverse order and dw must be the
+  same bits. Bits may change with the number of programs (another partition of the rows);
+  there dw must still match float64.
+* Issue 15.2: 64-bit offsets in kernels/qk_norm.py, checked without 8 GB: the interpreter runs
+  the forward with T · H past 2³¹ but touching no memory (``counting_bytes(touch_memory=
+  False)``), and the addresses it computes must be the exact 64-bit ones.
+"""
+
+import numpy as np
+import pytest
+import torch
+import triton.runtime.interpreter as triton_interpreter
+
+import normtools
+from normtools._kernels import qk_norm as _qk
+from normtools.core import _launch
+from normtools.measure import kernel_traffic as kt
+
+
+@pytest.fixture
+def nan_filled_float32(monkeypatch):
+    """torch.empty returns NaN-filled float32 tensors: unwritten partial rows show."""
+    empty = torch.empty
+
+    def poisoned(*size, **kwargs):
+        out = empty(*size, **kwargs)
+        if out.dtype == torch.float32:
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+@pytest.fixture
+def small_cpu_tiles(monkeypatch):
+    """Chunks of 16 float32 values, one row per block and 6 persistent programs on CPU."""
+    monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64)
+    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 16)
+    monkeypatch.setattr(_launch, "CPU_PROGRAMS", 6)
+
+
+def _grads(op, m, n, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, n, generator=g, dtype=torch.float64)
+    w = (1 + 0.1 * torch.randn(n, generator=g, dtype=torch.float64))
+    b = 0.1 * torch.randn(n, generator=g, dtype=torch.float64)
+    dy = torch.randn(m, n, generator=g, dtype=torch.float64)
+    out = {}
+    for backend in ("triton", "float64"):
+        xs, ws, bs = (t.clone().to(dtype if backend == "triton" else torch.float64)
+                      .requires_grad_(True) for t in (x, w, b))
+        if op == "rms_norm":
+            y = (normtools.rms_norm(xs, ws, backend="triton") if backend == "triton" else
+                 xs * torch.rsqrt(xs.pow(2).mean(-1, keepdim=True) + 1e-6) * ws)
+            y.backward(dy.to(y.dtype))
+            out[backend] = (xs.grad, ws.grad)
+        else:
+            y = (normtools.layer_norm(xs, ws, bs, backend="triton") if backend == "triton" else
+                 torch.nn.functional.layer_norm(xs, (n,), ws, bs, 1e-5))
+            y.backward(dy.to(y.dtype))
+            out[backend] = (xs.grad, ws.grad, bs.grad)
+    return out
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+def test_chunked_backward_over_several_programs(op, small_cpu_tiles, nan_filled_float32):
+    """M = 7 rows of N = 40 (three 16-wide chunks) over 6 programs of 2 rows: programs 4 and
+    5 get no rows. dx, dw (and db) against float64."""
+    plan = _launch.plan_for(f"{op}_bwd", torch.float32, 7, 40, "cpu")
+    assert not plan.single_pass and plan.programs == 6
+    assert (plan.programs - 1) * plan.rows_per_program >= 7          # idle programs exist
+    got = _grads(op, 7, 40)
+    for a, ref in zip(got["triton"], got["float64"]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def _reverse_program_order(monkeypatch):
+    """Make the interpreter run each grid's programs last to first."""
+    builder = triton_interpreter.interpreter_builder
+    set_grid_idx = type(builder).set_grid_idx
+
+    def reversed_idx(self, x, y, z):
+        gx, gy, gz = self.grid_dim
+        set_grid_idx(self, gx - 1 - x, gy - 1 - y, gz - 1 - z)
+
+    monkeypatch.setattr(type(builder), "set_grid_idx", reversed_idx)
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "qk_norm"])
+@pytest.mark.parametrize("chunked", [False, True])
+def test_weight_grads_do_not_depend_on_program_order(op, chunked, monkeypatch):
+    """Same plan, programs run in order and in reverse: dw bit for bit the same."""
+    monkeypatch.setattr(_launch, "CPU_PROGRAMS", 5)
+    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 64)
+    if chunked:
+        monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64)
+
+    def weight_grads():
+        g = torch.Generator().manual_seed(1)
+        if op == "qk_norm":
+            q = torch.randn(12, 4 * 32, generator=g)
+            k = torch.randn(12, 2 * 32, generator=g)
+            qw = torch.ones(4 * 32, requires_grad=True)
+            kw = torch.ones(2 * 32, requires_grad=True)
+            qo, ko = normtools.qk_norm(q, k, qw, kw, head_dim=32, scope="per_layer",
+                                       backend="triton")
+            torch.autograd.backward([qo, ko], [q.flip(0), k.flip(0)])
+            return qw.grad, kw.grad
+        x = torch.randn(13, 40, generator=g)
+        w = torch.ones(40, requires_grad=True)
+        y = (normtools.rms_norm(x, w, backend="triton") if op == "rms_norm" else
+             normtools.layer_norm(x, w, backend="triton"))
+        y.backward(x.flip(0))
+        return (w.grad,)
+
+    in_order = weight_grads()
+    _reverse_program_order(monkeypatch)
+    reversed_ = weight_grads()
+    assert all(torch.equal(a, b) for a, b in zip(in_order, reversed_))
+
+
+@pytest.mark.parametrize("programs", [1, 2, 3, 7])
+def test_weight_grad_with_any_program_count(programs, monkeypatch):
+    """Another number of programs partitions the rows differently (other bits, same math):
+    dw within float32 rounding of float64."""
+    monkeypatch.setattr(_launch, "CPU_PROGRAMS", programs)
+    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 64)
+    got = _grads("rms_norm", 13, 24, seed=programs)
+    torch.testing.assert_close(got["triton"][1].double(), got["float64"][1], rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_qk_norm_offsets_are_64_bit():
+    """qk_norm_fwd with T = 2³⁰ tokens and 4 q head slots: program 3 (head 3) stores the inverse
+    RMS of token t at Q_RSTD + 3 · 2³⁰ + t (12 GiB in), which int32 arithmetic would wrap.
+    Nothing is read or written (dry interpreter run), so no memory is needed."""
+    n_tokens, heads, d = 2**30, 4, 16
+    q, k = torch.zeros(2, heads * d), torch.zeros(2, d)
+    w = torch.ones(d)
+    rstd = torch.zeros(4)
+    trace = []
+    with kt.counting_bytes(touch_memory=False, trace=trace):
+        _launch.kernel_for(_qk.qk_norm_fwd, "cpu")[(heads,)](
+            q, k, w, w, q, k, rstd, rstd,
+            n_tokens, 2, heads, 1, heads,
+            q.stride(0), k.stride(0), q.stride(0), k.stride(0), 0, 0, 1e-6, 0.0,
+            NQ=d, NK=d, ROWS=2, BLOCK_NQ=d, BLOCK_NK=d, ROUND_XHAT=True)
+    rstd_stores = [a for kind, a, size in trace if kind == "store" and size == 4
+                   and a.size == 2]
+    offsets = sorted(int(o) for a in rstd_stores for o in (a - rstd.data_ptr()) // 4)
+    expected = sorted(h * n_tokens + t for h in range(heads) for t in range(2))
+    assert offsets == expected
+    assert max(offsets) > 2**31
+    assert np.all(np.concatenate(rstd_stores) >= rstd.data_ptr())
