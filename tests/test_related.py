@@ -139,3 +139,12 @@ def test_released_designs_match_transformers():
                      if name.startswith("model.layers.0.") and name.endswith("a_layernorm")})
     assert set(table.loc["deepseek_v3", "other_norms"].split(", ")) == set(latent) == {
         "self_attn.q_a_layernorm", "self_attn.kv_a_layernorm"}
+
+
+def test_sizes_build_valid_models_and_trained_designs_are_designs():
+    for size, settings in related.RELATED_SIZES.items():
+        for key in ("probe_model", "model"):
+            TinyLMConfig(**settings[key])
+        assert settings["steps"] > 0 and settings["lrs"], size
+    assert set(related.TRAINED_DESIGNS) <= set(related.DESIGNS)
+    assert related.RELATED_SIZES["cpu"]["probe_model"]["depth"] > related.RELATED_SIZES["cpu"]["model"]["depth"]

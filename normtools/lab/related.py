@@ -43,6 +43,24 @@ DESIGNS = {
 }
 
 
+#: The chapter's settings per ``size``: the deep model of the depth probe and its batch, the
+#: trained model, the run length and batch, the peak learning rates, and the designs trained
+#: (the sandwich and OLMo 2's post-sublayer norm are trained in chapter 4a's grid).
+RELATED_SIZES = {
+    "test": dict(probe_model=dict(width=32, depth=4, heads=2, max_seq_len=16), probe_batch_size=2,
+                 model=dict(width=32, depth=2, heads=2, max_seq_len=16), steps=4, batch_size=2,
+                 lrs=(1e-2,)),
+    "cpu": dict(probe_model=dict(width=64, depth=16, heads=4, max_seq_len=32), probe_batch_size=8,
+                model=dict(width=64, depth=4, heads=4, max_seq_len=32), steps=60, batch_size=8,
+                lrs=(1e-2,)),
+    "gpu": dict(probe_model=dict(width=256, depth=48, heads=4, max_seq_len=128), probe_batch_size=16,
+                model=dict(width=512, depth=12, heads=8, max_seq_len=256), steps=1000, batch_size=32,
+                lrs=(3e-3, 1e-2)),
+}
+TRAINED_DESIGNS = ("Pre-LN", "Post-LN", "DeepNorm", "Mix-LN", "LayerNorm Scaling",
+                   "nGPT (simplified)", "DyT (Pre-LN)")
+
+
 def _designs(names):
     unknown = [n for n in names if n not in DESIGNS]
     if unknown:
