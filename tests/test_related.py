@@ -148,3 +148,17 @@ def test_sizes_build_valid_models_and_trained_designs_are_designs():
         assert settings["steps"] > 0 and settings["lrs"], size
     assert set(related.TRAINED_DESIGNS) <= set(related.DESIGNS)
     assert related.RELATED_SIZES["cpu"]["probe_model"]["depth"] > related.RELATED_SIZES["cpu"]["model"]["depth"]
+
+
+def test_atlas_table_is_the_atlas_with_other_norm_names():
+    from normtools.cards.atlas import atlas_spec, load_atlas
+
+    atlas = load_atlas()
+    table = related.atlas_table(atlas).set_index("model_type")
+    assert set(table.index) == set(atlas["families"])
+    for model_type in ("olmo2", "gemma3_text", "deepseek_v3", "llama"):
+        spec = atlas_spec(model_type, atlas)
+        assert table.loc[model_type, "placement"] == spec.placement
+        assert table.loc[model_type, "qk_norm"] == spec.qk_norm.scope
+        names = table.loc[model_type, "other_norm_names"]
+        assert (names.split(", ") if names != "-" else []) == [o.name for o in spec.other_norms]

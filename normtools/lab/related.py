@@ -17,7 +17,9 @@ A *design* is a label and the :class:`normtools.lab.tinylm.TinyLMConfig` fields 
 
 :func:`transformers_qk_norm` returns the QK-Norm modules of two models whose QK-Norm is not an
 RMSNorm with a learned scale (Llama 4, Chameleon), built by transformers from a tiny config;
-:func:`released_designs` lists what the norm cards record for every family they cover.
+:func:`atlas_table` lists what the atlas (:mod:`normtools.cards.atlas`) measured for every
+causal-LM family of transformers, and :func:`released_designs` what the derived norm cards record
+(including the notes on soft-capping, which the atlas does not measure).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from normtools.cards import bundled_configs, from_hf_config, load_bundled_config, tiny_config
+from normtools.cards.atlas import atlas_rows, atlas_spec, load_atlas
 from normtools.lab.experiments import run_cell, summarize
 from normtools.lab.probes import depth_profile
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
@@ -204,3 +207,17 @@ def released_designs() -> "pandas.DataFrame":
             "softcapping": "; ".join(n for n in card.notes if "softcapping" in n) or "-",
         })
     return pd.DataFrame(rows)
+
+
+def atlas_table(atlas=None) -> "pandas.DataFrame":
+    """The atlas's rows (:func:`normtools.cards.atlas.atlas_rows`), one per probed family, with
+    the names of each family's other norms (``other_norm_names``, comma-separated, "-" for
+    none)."""
+    import pandas as pd
+
+    atlas = atlas or load_atlas()
+    table = pd.DataFrame(atlas_rows(atlas))
+    table["other_norm_names"] = [", ".join(o.name for o in atlas_spec(t, atlas).other_norms) or "-"
+                                 for t in table["model_type"]]
+    return table
+
