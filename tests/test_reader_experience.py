@@ -334,3 +334,30 @@ def test_no_page_draws_diagrams_with_a_script(site):
     for page in _pages(site):
         text = page.read_text(encoding="utf-8")
         assert not re.search(r"<script[^>]+mermaid", text), f"{page.name} loads mermaid"
+
+
+CUT_OUTPUTS = """() => [...document.querySelectorAll('.cell_output *')]
+  .filter(e => e.scrollWidth > e.clientWidth + 2 && getComputedStyle(e).overflowX !== 'visible')
+  .filter(e => !e.closest('figure.diagram'))
+  .filter((e, _, all) => !all.some(o => o !== e && o.contains(e)))
+  .map(e => ({tag: e.tagName.toLowerCase(), shown: e.clientWidth, needs: e.scrollWidth,
+              text: e.innerText.trim().slice(0, 50)}))"""
+
+
+def test_no_output_is_cut_at_the_right_at_1280_px(site, browser):
+    """Issue 17: at desktop width no cell output (text or table) needs sideways scrolling."""
+    chromium, _ = browser
+    context = chromium.new_context(viewport={"width": 1280, "height": 900})
+    cut = []
+    for notebook in CHAPTER_NOTEBOOKS:
+        html = site / "book" / f"{notebook.stem}.html"
+        if not html.exists():
+            continue
+        page = context.new_page()
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+        page.goto(html.as_uri(), wait_until="load")
+        cut += [f"{notebook.stem}: <{c['tag']}> shows {c['shown']} of {c['needs']} px: {c['text']!r}"
+                for c in page.evaluate(CUT_OUTPUTS)]
+        page.close()
+    context.close()
+    assert not cut, f"{len(cut)} outputs cut at 1280 px:\n" + "\n".join(cut[:40])
