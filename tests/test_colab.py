@@ -76,6 +76,7 @@ def test_roles_resolve_to_the_book_facts():
         "[the step](https://o.github.io/r/book/02_flow.html#ch2-step3), "
         "[RMSNorm](https://o.github.io/r/book/06_glossary.html#term-rmsnorm), "
         "[pre-norm](https://o.github.io/r/book/06_glossary.html#term-pre-ln)")
+    assert colab.resolve_roles("{glue:text}`x:.2f`", doc="book/x", glue={"x": "3.14159"}, book=book) == "3.14"
     with pytest.raises(KeyError, match="no glued value"):
         colab.resolve_roles("{glue:text}`missing`", doc="book/x", glue={}, book=book)
     with pytest.raises(KeyError, match="unknown label"):

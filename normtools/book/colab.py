@@ -188,10 +188,10 @@ def resolve_roles(text: str, *, doc: str, glue: dict, book: Book) -> str:
     def replace(match):
         role, content = match.groups()
         if role in ("glue", "glue:text", "glue:md"):
-            name = content.split(":", 1)[0].strip()
+            name, _, spec = (part.strip() for part in content.partition(":"))
             if name not in glue:
                 raise KeyError(f"{doc}: no glued value {name!r}")
-            return glue[name]
+            return format(float(glue[name]), spec) if spec else glue[name]   # myst-nb's `name:.2f`
         if role.startswith("cite"):
             return _citation(content, role, book)
         if role == "math":
