@@ -1,0 +1,183 @@
+"""Registers and register spills of every kernel configuration the launcher picks, on CPU.
+
+How it measures (no GPU needed):
+
+1. Record the launches. Each op runs on small CPU tensors inside
+   ``normtools.core._launch.planning_for_cuda`` (the CUDA launch plan: block sizes, chunking,
+   warps, grid) and ``recording_launches`` (each ``kernel[grid](*args, **kwargs)`` is recorded,
+   not run). M is small; the kernel's constexprs and warps depend on N and the dtype only.
+2. Specialize as a launch would: Triton's own binder (``create_function_from_signature``)
+   and ``JITFunction._pack_args`` turn the recorded arguments into the signature, constexprs
+   and divisibility attributes that a CUDA launch of the same arguments compiles.
+3. Compile ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc,
+   32))`` to PTX, for each compute capability (90: H100/H200, 80: A100, 75: T4, Colab's free
+   GPU).
+4. Assemble the PTX with Triton's bundled ``ptxas-blackwell -v --gpu-name sm_XX`` (sm_90a for
+   90; it reads Triton 3.9's PTX, the older bundled ``ptxas`` does not) and read its report:
+   "Used R registers" and "S bytes stack frame, A bytes spill stores, B bytes spill loads".
+
+``spill_table()`` returns one row per (op, dtype, N, kernel configuration, cc). Needs
+TRITON_INTERPRET unset (an interpreted kernel cannot be compiled); compiling takes about two
+seconds per configuration, so tests sample configurations and ``python -m
+normtools.measure.spills`` prints the full table.
+"""
+
+import argparse
+import functools
+import os
+import re
+import subprocess
+import tempfile
+
+import pandas as pd
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
+
+import normtools
+from normtools.core import _launch
+
+ARCHS = (90, 80, 75)
+ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The ops whose launches are compiled; QK-Norm at Hq = 32, Hk = 8 heads of head_dim N / 32 per
+# layer (per_layer row of N) and of head_dim 64 / 128 / 256 per head.
+OPS = ("rms_norm_fwd_bwd", "add_rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
+       "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd")
+QK_HEAD_DIMS = (64, 128, 256)
+_REPORT = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+                     r".*?Used (\d+) registers", re.S)
+
+
+def ptxas_path():
+    """Triton's bundled ptxas that reads its PTX (``ptxas-blackwell``, CUDA 13)."""
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "ptxas-blackwell")
+
+
+def record_launches(op, dtype, n, m=64):
+    """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
+    (QK per head: head_dim n, 32 q and 8 k heads; per layer: 32 q heads of n / 32) with the
+    CUDA launch plan: a list of ``_launch.RecordedLaunch``."""
+    backward = op.endswith("_fwd_bwd")
+    base = op.removesuffix("_fwd_bwd")
+    with _launch.planning_for_cuda(), _launch.recording_launches() as launches:
+        if base.startswith("qk_norm"):
+            hq, hk = 32, 8
+            d = n if base == "qk_norm_per_head" else n // hq
+            per_head = base == "qk_norm_per_head"
+            q = torch.zeros(m, hq * d, dtype=dtype, requires_grad=backward)
+            k = torch.zeros(m, hk * d, dtype=dtype, requires_grad=backward)
+            qw = torch.ones(d if per_head else hq * d, dtype=dtype, requires_grad=backward)
+            kw = torch.ones(d if per_head else hk * d, dtype=dtype, requires_grad=backward)
+            outs = normtools.qk_norm(q, k, qw, kw, head_dim=d, scope=base[len("qk_norm_"):],
+                                     backend="triton")
+        else:
+            x = torch.zeros(m, n, dtype=dtype, requires_grad=backward)
+            w = torch.ones(n, dtype=dtype, requires_grad=backward)
+            if base == "rms_norm":
+                outs = (normtools.rms_norm(x, w, backend="triton"),)
+            elif base == "add_rms_norm":
+                outs = normtools.add_rms_norm(x, torch.zeros_like(x), w, backend="triton")
+            else:
+                b = torch.zeros(n, dtype=dtype, requires_grad=backward)
+                outs = (normtools.layer_norm(x, w, b, backend="triton"),)
+        if backward:
+            torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
+    return launches
+
+
+def specialize(launch, cc):
+    """(signature, constexprs, attrs, options) that a CUDA launch of the recorded arguments
+    compiles, from Triton's own binder."""
+    kernel = launch.kernel
+    backend = make_backend(GPUTarget("cuda", cc, 32))
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound_args, specialization, options = binder(*launch.args, **launch.kwargs)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, launch.kwargs,
+                                                              bound_args, specialization,
+                                                              options)
+    return signature, constexprs, attrs, options
+
+
+def compile_report(launch, cc):
+    """Compile one recorded launch for compute capability ``cc``; ptxas's report as a dict:
+    registers, stack, spill_stores, spill_loads (bytes) and the configuration's key."""
+    signature, constexprs, attrs, options = specialize(launch, cc)
+    key = (launch.kernel.fn.__name__, cc, repr(sorted(signature.items())),
+           repr(sorted((k, repr(v)) for k, v in constexprs.items())), repr(sorted(attrs.items())),
+           options.num_warps)
+    return _compile_cached(key, launch.kernel, signature, constexprs, attrs, options, cc)
+
+
+@functools.lru_cache(maxsize=None)
+def _ptxas_report(ptx, cc):
+    arch = f"sm_{cc}a" if cc >= 90 else f"sm_{cc}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        done = subprocess.run([ptxas_path(), "-v", "--gpu-name", arch, src, "-o", out],
+                              capture_output=True, text=True, check=True)
+    stack, stores, loads, registers = map(int, _REPORT.search(done.stderr).groups())
+    return {"registers": registers, "stack": stack, "spill_stores": stores,
+            "spill_loads": loads}
+
+
+_COMPILED = {}
+
+
+def _compile_cached(key, kernel, signature, constexprs, attrs, options, cc):
+    if key not in _COMPILED:
+        source = ASTSource(kernel, signature, constexprs, attrs)
+        compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                                  options=options.__dict__)
+        _COMPILED[key] = _ptxas_report(compiled.asm["ptx"], cc)
+    return _COMPILED[key]
+
+
+def _constexpr_summary(launch):
+    """The launch's block sizes and flags, e.g. "BLOCK_M=1 BLOCK_N=8192 SINGLE_PASS=1 w=16"."""
+    names = ("BLOCK_M", "BLOCK_N", "ROWS", "BLOCK_NQ", "BLOCK_NK", "BLOCK_P", "SINGLE_PASS")
+    parts = [f"{k}={int(v)}" for k, v in launch.kwargs.items() if k in names]
+    return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"])
+
+
+def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=ARCHS, qk_head_dims=QK_HEAD_DIMS):
+    """Registers and spill bytes of every launch the launcher picks, one row per (op, dtype,
+    N, kernel, cc). N is the row length (QK per head: head_dim). See the module docstring for
+    how it is measured."""
+    rows = []
+    for op in ops:
+        for dtype in dtypes:
+            lengths = qk_head_dims if op.startswith("qk_norm_per_head") else ns
+            for n in lengths:
+                launches = record_launches(op, dtype, n)
+                for launch in launches:
+                    for cc in archs:
+                        report = compile_report(launch, cc)
+                        rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
+                                     "N": n, "kernel": launch.kernel.fn.__name__,
+                                     "config": _constexpr_summary(launch), "cc": cc, **report})
+    return pd.DataFrame(rows).drop_duplicates(ignore_index=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--csv", help="also write the table to this CSV file")
+    parser.add_argument("--arch", type=int, action="append", help="compute capability "
+                        "(repeatable; default 90, 80, 75)")
+    args = parser.parse_args(argv)
+    table = spill_table(archs=tuple(args.arch or ARCHS))
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+    with pd.option_context("display.max_rows", None, "display.width", 200):
+        print(table.to_string(index=False))
+    spilled = table[(table.spill_stores > 0) | (table.spill_loads > 0)]
+    print(f"{len(table)} configurations, {len(spilled)} with spills")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""normtools.measure.spills: registers and spills of the launcher's configurations, ahead of time.
+
+How this measures: the op runs on CPU tensors with the CUDA launch plan, its launches are
+recorded (not run), specialized by Triton's own binder, compiled by ``triton.compile`` for
+GPUTarget("cuda", cc, 32) to PTX, and assembled by the bundled ``ptxas-blackwell -v``, whose
+report gives registers and spill bytes (see the module docstring). Compiling needs a process
+without TRITON_INTERPRET, so the checks run in a subprocess.
+
+Compiling every configuration (op x dtype x N x direction x cc) takes minutes, so this test
+samples: the backward at N = 16384 in bf16 (which spilled 392 B for RMSNorm and 932 B for
+LayerNorm in the single-pass design), the longest single-pass forward (N = 32768, 32 warps),
+per-layer QK-Norm, at sm_90; one op also for sm_80 and sm_75 (Colab's T4).
+``python -m normtools.measure.spills`` prints the full table.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton.backends.nvidia")
+
+SCRIPT = r"""
+import json, sys, torch, triton, triton.language as tl
+from normtools.measure import spills
+from normtools.core import _launch
+
+@triton.jit
+def must_spill(X, Y, BLOCK: tl.constexpr):
+    # 8192 float32 values live across a reduction in one warp: 256 per thread > 255 registers
+    x = tl.load(X + tl.arange(0, BLOCK))
+    tl.store(Y + tl.arange(0, BLOCK), x / tl.sum(x, axis=0))
+
+x = torch.zeros(8192)
+with _launch.recording_launches() as toy:
+    _launch.kernel_for(must_spill, "cuda")[(1,)](x, x, BLOCK=8192, num_warps=1)
+out = {"toy": spills.compile_report(toy[0], 90)}
+table = spills.spill_table(ops=("rms_norm_fwd_bwd", "layer_norm_fwd_bwd"),
+                           dtypes=(torch.bfloat16,), ns=(16384,), archs=(90,))
+table = [table, spills.spill_table(ops=("rms_norm_fwd_bwd",), dtypes=(torch.bfloat16,),
+                                   ns=(32768,), archs=(90, 80, 75)),
+         spills.spill_table(ops=("qk_norm_per_layer_fwd_bwd",), dtypes=(torch.bfloat16,),
+                            ns=(4096,), archs=(90,))]
+out["rows"] = [row for t in table for row in t.to_dict("records")]
+print(json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    script = tmp_path_factory.mktemp("spills") / "measure.py"   # @triton.jit needs a file
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_the_measurement_sees_a_spill(report):
+    """A kernel that cannot fit in registers is reported with spill bytes."""
+    toy = report["toy"]
+    assert toy["spill_stores"] > 0 and toy["spill_loads"] > 0 and toy["registers"] >= 200
+
+
+def test_no_spills_at_sm90(report):
+    rows = [r for r in report["rows"] if r["cc"] == 90]
+    kernels = {(r["op"], r["kernel"]) for r in rows}
+    assert {("rms_norm_fwd_bwd", "rms_norm_bwd"), ("layer_norm_fwd_bwd", "layer_norm_bwd"),
+            ("rms_norm_fwd_bwd", "sum_partials"),
+            ("qk_norm_per_layer_fwd_bwd", "qk_norm_bwd")} <= kernels
+    spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"] or r["stack"]]
+    assert not spilled, spilled
+
+
+def test_compiles_for_sm80_and_sm75(report):
+    """Every kernel of rms_norm forward+backward at N = 32768 compiles for A100 and T4."""
+    for cc in (80, 75):
+        got = {r["kernel"] for r in report["rows"] if r["cc"] == cc}
+        assert got == {"rms_norm_fwd", "rms_norm_bwd", "sum_partials"}, (cc, got)
