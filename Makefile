@@ -1,7 +1,11 @@
 # normbook: two commands do all setup on a fresh machine.
 #   make book   execute every chapter headless (papermill), then build the HTML in _build/html
 #   make test   unit tests + nbval over every chapter (stored outputs must match re-execution)
-#   make notebooks   re-execute the chapters in place, refreshing their stored outputs
+#   make notebooks   re-execute the chapters in place, refreshing their stored outputs (and the
+#                    Colab edition, `make colab`)
+#   make lock   rewrite constraints.txt, the locked environment, from the venv
+#   make diagrams    render new mermaid diagrams to book/_diagrams (headless Chromium)
+#   make nbval-perturbed   nbval again under another numerical path (CI runs it after make test)
 
 PYTHON      ?= python3
 VENV        := .venv
