@@ -32,6 +32,8 @@ All arithmetic is float32: values are upcast right after tl.load and downcast be
 import triton
 import triton.language as tl
 
+from normtools._kernels.rms_norm import row_block
+
 
 @triton.jit
 def layer_norm_fwd(
@@ -53,7 +55,7 @@ def layer_norm_fwd(
         w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
         b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                         eviction_policy="evict_first").to(tl.float32)
@@ -70,7 +72,7 @@ def layer_norm_fwd(
         # (mean, M2) is exact two-pass arithmetic in registers; chunks merge with Chan's formula
         #   M2 += M2_chunk + δ² · n·n_chunk / (n + n_chunk),   δ = mean_chunk − mean.
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mean = tl.zeros((BLOCK_M,), dtype=tl.float32)
             m2 = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
@@ -97,7 +99,7 @@ def layer_norm_fwd(
             w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
             b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 mask = row_mask[:, None] & col_mask[None, :]
                 x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
                             eviction_policy="evict_first").to(tl.float32)
@@ -133,7 +135,7 @@ def layer_norm_bwd(
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                     col_mask, stride_x, stride_dy, "evict_first")
             g = dy * w[None, :]
@@ -158,7 +160,7 @@ def layer_norm_bwd(
             col_mask = cols < N
             w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 x_hat, dy, _, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                      col_mask, stride_x, stride_dy, "evict_last")
                 g = dy * w[None, :]
@@ -177,7 +179,7 @@ def layer_norm_bwd(
             dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                         col_mask, stride_x, stride_dy,
                                                         "evict_first")
@@ -195,14 +197,6 @@ def layer_norm_bwd(
 
 
 # ----------------------------------------------------------------------------- helpers
-
-@triton.jit
-def _row_block(block_start, row_end, BLOCK_M: tl.constexpr):
-    """The BLOCK_M row indices from block_start (int64: row · stride may pass 2³¹), and their
-    mask (rows < row_end)."""
-    rows = block_start + tl.arange(0, BLOCK_M)
-    return rows.to(tl.int64), rows < row_end
-
 
 @triton.jit
 def _param(P, cols, col_mask, default: tl.constexpr, HAS_PARAM: tl.constexpr):

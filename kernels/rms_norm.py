@@ -69,7 +69,7 @@ def rms_norm_fwd(
         col_mask = cols < N
         s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
                         HAS_RESIDUAL, "evict_first")
@@ -83,7 +83,7 @@ def rms_norm_fwd(
         # this program: the chunk's scale is read once, the row chunk again (the stored sum
         # with a residual) and y written.
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             sum_sq = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for start in range(0, N, BLOCK_N):
                 cols = start + tl.arange(0, BLOCK_N)
@@ -98,7 +98,7 @@ def rms_norm_fwd(
             col_mask = cols < N
             s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 mask = row_mask[:, None] & col_mask[None, :]
                 if HAS_RESIDUAL:
                     x = tl.load(SUM + rows[:, None] * stride_sum + cols[None, :], mask=mask,
@@ -133,7 +133,7 @@ def rms_norm_bwd(
         s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block_start in range(row_start, row_end, BLOCK_M):
-            rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+            rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
                                           stride_dy, "evict_first")
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
@@ -156,7 +156,7 @@ def rms_norm_bwd(
             col_mask = cols < N
             s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
                                               stride_dy, "evict_last")
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
@@ -171,7 +171,7 @@ def rms_norm_bwd(
             s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
             dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for block_start in range(row_start, row_end, BLOCK_M):
-                rows, row_mask = _row_block(block_start, row_end, BLOCK_M)
+                rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
                                               stride_dy, "evict_first")
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
@@ -188,9 +188,9 @@ def rms_norm_bwd(
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
-def _row_block(block_start, row_end, BLOCK_M: tl.constexpr):
+def row_block(block_start, row_end, BLOCK_M: tl.constexpr):
     """The BLOCK_M row indices from block_start (int64: row · stride may pass 2³¹), and their
-    mask (rows < row_end)."""
+    mask (rows < row_end). Shared with kernels/layer_norm.py."""
     rows = block_start + tl.arange(0, BLOCK_M)
     return rows.to(tl.int64), rows < row_end
 

@@ -20,9 +20,12 @@ many programs (a GPU of SIMULATED_PROGRAMS / PROGRAMS_PER_SM SMs). Every program
 exactly what it does in the real launch, and the bytes are scaled by M / M_sim; the minimum is
 counted at the real M. What this leaves out: the real grid's idle programs (rows_per_program
 does not always divide M), and the caches: a re-read that hits L2 is counted like one that
-goes to DRAM (``unique`` is the other bound).
+goes to DRAM (``unique`` is the other bound; scaled like the rest, it counts a weight that
+every program reads once per simulated program pair). ``python -m
+normtools.measure.kernel_traffic`` prints the full table.
 """
 
+import argparse
 import contextlib
 import dataclasses
 from collections import defaultdict
@@ -238,3 +241,21 @@ def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
                          "shape": " ".join(f"{k}={v}" for k, v in shape.items()), "N": n,
                          **result, "unique_ratio": result["unique"] / result["minimum"]})
     return pd.DataFrame(rows)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--csv", help="also write the table to this CSV file")
+    parser.add_argument("--n", type=int, action="append", help="row length (repeatable; "
+                        "default 1K ... 128K)")
+    args = parser.parse_args(argv)
+    table = kernel_traffic(ns=tuple(args.n or ROW_LENGTHS))
+    if args.csv:
+        table.to_csv(args.csv, index=False)
+    columns = ["op", "N", "ratio", "unique_ratio", "launches", "kernels"]
+    with pd.option_context("display.max_rows", None, "display.width", 200):
+        print(table[columns].round(3).to_string(index=False))
+
+
+if __name__ == "__main__":
+    main()
