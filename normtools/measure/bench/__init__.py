@@ -34,13 +34,21 @@ every output written once, no saved statistics. ``gbs_p50 = bytes / p50``, and
 device-to-device ``dst.copy_(src)`` of a large buffer (1 GiB on CUDA, 128 MiB on CPU), counting
 the bytes read and written, timed the same way in the same run.
 
+Cases. ``cases.gpu_run_cases`` is the plan of a GPU run (``--cases gpu-run``): a first pass of
+the target ops, the bundled models' real shapes (prefill and decode, warm and rotated inputs),
+then the full sweep, every synthetic case ≥ 256 MiB; each row records its phase, regime,
+batch, tokens per sequence and cache state. ``--dry-run`` prints the plan with its estimate.
+
 Modules, in the order of a run: ``plan`` (ops, backends, shapes, inputs), ``traffic`` (the
-minimum bytes of each op), ``backends`` (one callable per op and backend), ``timing`` (rotated
-inputs, timers, percentiles, copy bandwidth), ``sweep`` (the cases of a run), ``results``
-(JSON in and out), ``report`` (targets and the Markdown summary), ``cli``.
+minimum bytes of each op), ``cases`` (the cases of a GPU run and their time estimate),
+``backends`` (one callable per op and backend), ``timing`` (rotated inputs, timers,
+percentiles, copy bandwidth), ``sweep`` (the cases of a run), ``results`` (JSON in and out),
+``report`` (targets and the Markdown summary), ``cli``. The model-level benchmark is
+``normtools.measure.model_bench``.
 """
 
 from normtools.measure.bench.backends import Unavailable, backend_fn, default_backends
+from normtools.measure.bench.cases import Case, estimate_seconds, gpu_run_cases, real_shape_cases
 from normtools.measure.bench.cli import add_cli, main
 from normtools.measure.bench.plan import BACKENDS, OPS, QK_OPS, ROW_OPS, default_shapes, make_inputs, shape_label
 from normtools.measure.bench.report import BANDWIDTH_TARGETS, SPEEDUP_BASELINES, markdown_summary, targets_report
@@ -50,7 +58,7 @@ from normtools.measure.bench.timing import (TIMERS, copy_bandwidth, input_sets, 
                                             summarize, time_calls)
 from normtools.measure.bench.traffic import bytes_moved
 
-__all__ = ["OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP_BASELINES",
+__all__ = ["Case", "gpu_run_cases", "real_shape_cases", "estimate_seconds", "OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP_BASELINES",
            "Unavailable", "default_shapes", "shape_label", "make_inputs", "bytes_moved",
            "backend_fn", "default_backends", "n_buffer_sets", "input_sets", "rotating_calls",
            "time_calls", "summarize", "TIMERS", "copy_bandwidth", "bench_case", "run_sweep",
