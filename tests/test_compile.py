@@ -65,11 +65,19 @@ def test_ops_with_several_eps_and_offsets(backend):
     def qk(q, k, qw, kw, eps, offset):
         return normtools.qk_norm(q, k, qw, kw, eps, head_dim=8, offset=offset, backend=backend)
 
+    angles = torch.linspace(0, 3, 3 * 4).view(3, 4)
+    cos, sin = torch.cat((angles, angles), -1).cos(), torch.cat((angles, angles), -1).sin()
+
+    def qk_rope(q, k, qw, kw, eps, offset):
+        return normtools.qk_norm_rope(q, k, qw, kw, cos, sin, eps, head_dim=8, offset=offset,
+                                      backend=backend)
+
     settings = [dict(eps=e, offset=o) for e, o in zip(EPS_VALUES, OFFSETS)]
     assert_compiled_equals_eager(rms, (x, w), settings)
     assert_compiled_equals_eager(add_rms, (x, res, w), settings)
     assert_compiled_equals_eager(ln, (x, w, b), [dict(eps=e) for e in EPS_VALUES])
     assert_compiled_equals_eager(qk, (q, k, qw, kw), settings)
+    assert_compiled_equals_eager(qk_rope, (q, k, qw, kw), settings)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

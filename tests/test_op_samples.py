@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from _oracle import DTYPES, assert_close_to_oracle, layer_norm_f64, make_input, rms_norm_f64
 
 import normtools
+from normtools.core.reference import rope_reference
 
 NON_CONTIGUOUS = ("padded_rows", "strided_last", "transposed_last", "expanded")
 BACKENDS = ("torch", "triton")
@@ -56,6 +57,8 @@ class OpSpec:
     same: callable
     specs: callable
     shapes: tuple
+    varied: tuple = ()          # arguments whose layouts vary one at a time (default: all)
+    dtypes: tuple = tuple(DTYPES)
 
 
 def layouts_of(spec):
@@ -73,7 +76,7 @@ def samples(op, dtype, seed=0):
         plans = [("contiguous", {})]
         if 0 not in shape and shape[-1] > 1:
             plans += [(f"{name} {layout}", {name: layout}) for name, spec in specs.items()
-                      for layout in layouts_of(spec)]
+                      if name in (op.varied or specs) for layout in layouts_of(spec)]
         plans.append(("all strided_last", {name: "strided_last" for name in specs}))
         for plan_index, (what, layouts) in enumerate(plans):
             gen = torch.Generator().manual_seed(seed + 1000 * shape_index + plan_index)
@@ -134,6 +137,21 @@ def qk_norm_per_layer_specs(shape):
             "dq": ArgSpec((t, HEADS_Q * d), grad=True), "dk": ArgSpec((t, HEADS_K * d), grad=True)}
 
 
+def qk_norm_rope_specs(shape):
+    """shape = (T, head_dim): qk_norm_specs plus the rotary tables cos, sin (T, D)."""
+    t, d = shape
+    specs = qk_norm_specs(shape)
+    grads = {name: specs.pop(name) for name in ("dq", "dk")}
+    return specs | {"cos": ArgSpec((t, d)), "sin": ArgSpec((t, d))} | grads
+
+
+def rope_f64_or_same(norm, q, k, q_weight, k_weight, cos, sin):
+    """RoPE (reference form) after ``norm``; the tables are constants (no gradient)."""
+    cos, sin = cos.detach()[:, None], sin.detach()[:, None]
+    return (rope_reference(norm(q, q_weight), cos, sin),
+            rope_reference(norm(k, k_weight), cos, sin))
+
+
 OPS = [
     OpSpec(
         "rms_norm",
@@ -183,21 +201,35 @@ OPS = [
         lambda q, k, q_weight, k_weight: (F.rms_norm(q, (q.shape[-1],), q_weight, RMS_EPS),
                                           F.rms_norm(k, (k.shape[-1],), k_weight, RMS_EPS)),
         qk_norm_per_layer_specs, ((5, 8), (0, 8))),
+    OpSpec(
+        "qk_norm_rope",
+        lambda backend, q, k, q_weight, k_weight, cos, sin: normtools.qk_norm_rope(
+            q, k, q_weight, k_weight, cos.detach(), sin.detach(), RMS_EPS, head_dim=q.shape[-1],
+            backend=backend),
+        lambda **args: rope_f64_or_same(lambda x, w: rms_norm_f64(x, w, RMS_EPS), **args),
+        lambda **args: rope_f64_or_same(
+            lambda x, w: F.rms_norm(x, (x.shape[-1],), w, RMS_EPS), **args),
+        qk_norm_rope_specs, ((5, 16), (0, 8)),
+        # the q/k arguments are handled as in qk_norm (sampled above); the interpreter is slow
+        varied=("q", "q_weight", "cos", "sin", "dq"), dtypes=(torch.float32, torch.bfloat16)),
 ]
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+@pytest.mark.parametrize("op, dtype", [(op, dtype) for op in OPS for dtype in op.dtypes],
+                         ids=lambda v: v.name if isinstance(v, OpSpec) else str(v))
 def test_every_layout_of_every_argument(op, backend, dtype):
     """Outputs and gradients of each sample: close to float64, and (Triton) bitwise equal to
     the same call on contiguous copies."""
     for sample in samples(op, dtype):
         inputs, grads = sample.inputs, list(sample.grads.values())
         outs, dinputs = run(lambda **a: op.call(backend, **a), inputs, grads)
-        dense = {name: t.contiguous() for name, t in inputs.items()}
-        outs_dense, dinputs_dense = run(lambda **a: op.call(backend, **a), dense,
-                                        [g.contiguous() for g in grads])
+        if backend == "triton":
+            dense = {name: t.contiguous() for name, t in inputs.items()}
+            outs_dense, dinputs_dense = run(lambda **a: op.call(backend, **a), dense,
+                                            [g.contiguous() for g in grads])
+        else:
+            outs_dense, dinputs_dense = outs, dinputs
         outs64, dinputs64 = run(op.oracle, {n: t.double() for n, t in inputs.items()},
                                 [g.double() for g in grads])
         outs_same, dinputs_same = run(op.same, inputs, grads)
@@ -206,8 +238,10 @@ def test_every_layout_of_every_argument(op, backend, dtype):
                                                    outs_dense + dinputs_dense,
                                                    outs64 + dinputs64, outs_same + dinputs_same):
             what = f"{sample.what}, {backend}, {dtype}: {name}"
-            if backend == "triton":
-                assert torch.equal(got, got_dense), f"{what} depends on the memory layout"
+            if ref is None:                      # a constant (the rotary tables)
+                assert got is None and got_dense is None, what
+                continue
+            assert torch.equal(got, got_dense), f"{what} depends on the memory layout"
             assert_close_to_oracle(got, ref, same, dtype, what)
 
 
@@ -224,7 +258,10 @@ def test_samples_cover_every_layout_of_every_argument():
                     kinds.add("expanded" if 0 in t.stride() else
                               "strided_last" if t.stride(-1) != 1 else
                               "contiguous" if t.is_contiguous() else "padded_rows")
+    varied = {(op.name, name) for op in OPS for name in (op.varied or op.specs(op.shapes[0]))}
     for (op_name, name), kinds in seen.items():
+        if (op_name, name) not in varied:
+            continue
         needed = {"contiguous", "expanded", "strided_last"} | (
             {"padded_rows"} if name not in ("weight", "bias", "q_weight", "k_weight") else set())
         assert needed <= kinds, f"{op_name}.{name}: no sample with layout {needed - kinds}"

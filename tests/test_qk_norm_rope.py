@@ -1,9 +1,9 @@
 """normtools.qk_norm_rope: QK-Norm then RoPE, fused, against transformers and float64 math.
 
 * Against the models themselves: in tiny random Qwen3, OLMo 2 (per-layer) and Gemma 3 models,
-  forward hooks record what each layer feeds its q_norm / k_norm, and a wrapper around the
-  modeling module's own ``apply_rotary_pos_emb`` records the rotated q and k it returns (and the
-  cos / sin it was given). ``backend="torch"`` must give the same bits in float32 and bfloat16;
+  forward hooks record what each layer feeds its q_norm / k_norm (test_hf_parity_qk), and a
+  wrapper around the modeling module's own ``apply_rotary_pos_emb`` records the rotated q and
+  k it returns (and the cos / sin it was given). ``backend="torch"`` must give the same bits in float32 and bfloat16;
   the Triton kernel the same bits in bfloat16 and, in float32, within a few ulps of the largest
   value (its sum of squares adds the two halves of a head separately, so r can differ in the
   last bit: float32 bit-exactness would need transformers' own reduction order).
@@ -11,17 +11,18 @@
   scopes, shared and per-head weights, and both casting conventions.
 """
 
+import importlib
+
 import pytest
 import torch
 from _oracle import assert_close_to_oracle, make_input, rms_norm_f64, run_with_grads
-from test_hf_parity_qk import FAMILIES, TINY, tiny_model
+from test_hf_parity_qk import FAMILIES, recorded_qk_norms, tiny_model
 from test_numerics import ulps
 
 import normtools
 from normtools.core.reference import rms_norm_reference, rope_reference
 
 ROPE_FAMILIES = ["qwen3", "olmo2", "gemma3"]
-MODELING = {"qwen3": "qwen3", "olmo2": "olmo2", "gemma3": "gemma3"}
 # OLMo 2's rotary tables are float32 and its apply_rotary_pos_emb casts back to q's dtype
 CAST_BACK = {"qwen3": False, "olmo2": True, "gemma3": False}
 
@@ -29,10 +30,9 @@ CAST_BACK = {"qwen3": False, "olmo2": True, "gemma3": False}
 def recorded_norm_and_rope(family, model, monkeypatch):
     """Per layer: the q_norm / k_norm inputs and the (q, k, cos, sin) → (q_embed, k_embed) of
     the model's own apply_rotary_pos_emb call that follows them."""
-    modeling = __import__(f"transformers.models.{MODELING[family]}.modeling_{MODELING[family]}",
-                          fromlist=["apply_rotary_pos_emb"])
+    modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     real_rope = modeling.apply_rotary_pos_emb
-    ropes, norms, hooks = [], [], []
+    ropes = []
 
     def recording_rope(q, k, cos, sin, *args, **kwargs):
         out = real_rope(q, k, cos, sin, *args, **kwargs)
@@ -40,20 +40,8 @@ def recorded_norm_and_rope(family, model, monkeypatch):
         return out
 
     monkeypatch.setattr(modeling, "apply_rotary_pos_emb", recording_rope)
-    for layer in model.layers:
-        record = {}
-        norms.append(record)
-        for name in ("q_norm", "k_norm"):
-            def pre_hook(module, args, record=record, name=name):
-                record[name] = args[0].detach()
-            hooks.append(getattr(layer.self_attn, name).register_forward_pre_hook(pre_hook))
-    try:
-        with torch.no_grad():
-            model(torch.randint(0, TINY["vocab_size"], (2, 5),
-                                generator=torch.Generator().manual_seed(1)))
-    finally:
-        for h in hooks:
-            h.remove()
+    norms = [{name: inputs for name, (inputs, _) in record.items()}
+             for record in recorded_qk_norms(model)]
     assert len(ropes) == len(norms) == len(model.layers)
     return list(zip(norms, ropes))
 
