@@ -269,6 +269,7 @@ def test_full_table_keeps_long_cells_and_stable_html():
 
     df = pd.DataFrame({"value": ["x" * 80, "short"]}, index=["a", "b"])
     assert "x" * 80 not in df._repr_html_()  # what a displayed DataFrame shows: a cut cell
-    html = full_table(df, "card").to_html()
+    html = full_table(df, "card")._repr_html_()
     assert "x" * 80 in html and "short" in html
-    assert html == full_table(df, "card").to_html()
+    assert html == full_table(df, "card")._repr_html_()
+    assert repr(full_table(df, "card")) == "<table card: 2 rows x 1 columns>"  # no address

@@ -87,11 +87,26 @@ def environment_versions(packages: tuple[str, ...] = REPORTED_PACKAGES) -> dict[
     return versions
 
 
-def full_table(df, name: str):
-    """``df`` as an HTML table with every cell in full (a plain DataFrame's HTML cuts cells at
+class FullTable:
+    """A table shown by Jupyter as HTML with every cell in full; see :func:`full_table`."""
+
+    def __init__(self, df, name: str):
+        self.df, self.name = df, name
+
+    def _repr_html_(self) -> str:
+        return self.df.style.set_uuid(self.name).to_html()
+
+    def __repr__(self) -> str:
+        rows, columns = self.df.shape
+        return f"<table {self.name}: {rows} rows x {columns} columns>"
+
+
+def full_table(df, name: str) -> FullTable:
+    """``df`` as an HTML table with every cell in full (a displayed DataFrame cuts cells at
     ``display.max_colwidth`` characters), for tables of long strings such as norm cards.
 
-    The returned Styler's element ids are fixed by ``name``, so the stored HTML is the same at
-    every run and nbval can compare it. Numbers should be formatted before (strings here).
+    The HTML's element ids are fixed by ``name`` and the plain-text form names the table and
+    its size, so the stored outputs are the same at every run and nbval can compare them.
+    Numbers should be formatted before (strings here).
     """
-    return df.style.set_uuid(name)
+    return FullTable(df, name)
