@@ -199,21 +199,25 @@ def load_study(path: str | Path) -> tuple[dict, "pandas.DataFrame"]:
     return study_table(json.loads(Path(path).read_text()))
 
 
-def check_rerun(document: dict, variant: str | None = None, lr: float | None = None,
-                seed: int | None = None, metrics=tuple(CHECK_TOLERANCE), data=None) -> "pandas.DataFrame":
+def rerun(document: dict, variant: str | None = None, lr: float | None = None,
+          seed: int | None = None, data=None) -> tuple[dict, dict]:
     """Train one seed of one configuration of a committed study again (default: the study's
-    ``check`` configuration) and compare it with the committed runs of that configuration: one
-    row per metric with the committed median, min and max over seeds, the re-run's value, and
-    ``within``: whether the value lies in [min / (1 + tol), max · (1 + tol)], tol from
-    :data:`CHECK_TOLERANCE`."""
-    import pandas as pd
-
+    ``check`` configuration); returns (the configuration chosen, the re-run's JSON record)."""
     study = get_study(document["study"])
     chosen = {**study.check, **{k: v for k, v in (("variant", variant), ("lr", lr), ("seed", seed))
                                 if v is not None}}
     cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
             "variant": chosen["variant"]}
-    rerun = run_records(study, [cell], data or load_corpus(), document["size"])[0]
+    return chosen, run_records(study, [cell], data or load_corpus(), document["size"])[0]
+
+
+def compare_rerun(document: dict, chosen: dict, record: dict,
+                  metrics=tuple(CHECK_TOLERANCE)) -> "pandas.DataFrame":
+    """One row per metric: the committed median, min and max over the seeds of the ``chosen``
+    configuration, the re-run's value, and ``within``: whether it lies in
+    [min / (1 + tol), max · (1 + tol)], tol from :data:`CHECK_TOLERANCE`."""
+    import pandas as pd
+
     _, table = study_table(document)
     same = table[(table["variant"] == chosen["variant"]) & np.isclose(table["lr"], chosen["lr"])]
     if same.empty:
@@ -223,11 +227,19 @@ def check_rerun(document: dict, variant: str | None = None, lr: float | None = N
         values = same[metric].to_numpy(dtype=float)
         tol = CHECK_TOLERANCE.get(metric, 0.05)
         lo, hi = values.min(), values.max()
-        value = float(rerun[metric])
+        value = float(record[metric])
         rows.append({"metric": metric, "committed_median": float(np.median(values)),
                      "committed_min": lo, "committed_max": hi, "n_seeds": len(values),
                      "rerun": value, "within": bool(lo / (1 + tol) <= value <= hi * (1 + tol))})
     return pd.DataFrame(rows)
+
+
+def check_rerun(document: dict, variant: str | None = None, lr: float | None = None,
+                seed: int | None = None, metrics=tuple(CHECK_TOLERANCE), data=None) -> "pandas.DataFrame":
+    """:func:`rerun` then :func:`compare_rerun`: does one seed of one configuration, trained
+    again, fall within the range the committed seeds span?"""
+    chosen, record = rerun(document, variant, lr, seed, data)
+    return compare_rerun(document, chosen, record, metrics)
 
 
 def study_table(document: dict):
