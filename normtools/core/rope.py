@@ -90,9 +90,10 @@ def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_d
 
 # ----------------------------------------------------------------------------- triton backend
 
-def _launch_shape(kernel, n_tokens, q_slots, k_slots, head_dim, dtype, device):
-    """(ROWS tokens per program, BLOCK_HALF, num_warps, programs per q slot): the QK-Norm plan
-    for head_dim-long rows (both kernels work one head at a time)."""
+def _launch_shape(kernel, n_tokens, head_dim, dtype, device):
+    """(ROWS tokens per program, BLOCK_HALF, num_warps, token blocks = programs per row slot):
+    from the QK-Norm launch plan ``kernel`` for head_dim-long rows (both kernels work one head
+    at a time)."""
     plan = plan_for(kernel, dtype, n_tokens, head_dim, device)
     return (plan.block_m, triton.next_power_of_2(head_dim // 2), plan.num_warps,
             triton.cdiv(n_tokens, plan.block_m))
@@ -112,8 +113,8 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
     k_rstd = torch.empty(k_slots, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qo, ko, q_rstd, k_rstd
-    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_fwd", n_tokens, q_slots,
-                                                        k_slots, head_dim, q2d.dtype, device)
+    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_fwd", n_tokens, head_dim,
+                                                        q2d.dtype, device)
     kernel_for(_k.qk_norm_rope_fwd, device)[((q_slots + k_slots) * blocks,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
         q_rstd, k_rstd, n_tokens, q_slots, k_slots, q_slots * blocks,
@@ -134,8 +135,8 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
     dqo, dko = as_rows(dqo), as_rows(dko)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_bwd", n_tokens, q_slots,
-                                                        k_slots, head_dim, q2d.dtype, device)
+    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_bwd", n_tokens, head_dim,
+                                                        q2d.dtype, device)
     blocks = blocks if n_tokens > 0 else 0
     dqw_partial = torch.zeros(q_slots * blocks, nq, device=device, dtype=torch.float32)
     dkw_partial = torch.zeros(k_slots * blocks, nk, device=device, dtype=torch.float32)
