@@ -162,3 +162,11 @@ def test_atlas_table_is_the_atlas_with_other_norm_names():
         assert table.loc[model_type, "qk_norm"] == spec.qk_norm.scope
         names = table.loc[model_type, "other_norm_names"]
         assert (names.split(", ") if names != "-" else []) == [o.name for o in spec.other_norms]
+
+
+def test_depth_profiles_takes_ids_or_an_inputs_targets_pair():
+    config = TinyLMConfig.from_size("test", depth=2, backend="torch")
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
+    from_ids = related.depth_profiles(["Mix-LN"], ids, [0], config)
+    from_pair = related.depth_profiles(["Mix-LN"], (ids[:, :-1], ids[:, 1:]), [0], config)
+    np.testing.assert_allclose(from_pair["grad_norm"], from_ids["grad_norm"], rtol=1e-6)

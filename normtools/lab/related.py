@@ -29,7 +29,7 @@ import torch
 from normtools.cards import bundled_configs, from_hf_config, load_bundled_config, tiny_config
 from normtools.cards.atlas import atlas_rows, atlas_spec, load_atlas
 from normtools.lab.experiments import run_cell, summarize
-from normtools.lab.probes import depth_profile
+from normtools.lab.probes import depth_profile, split_batch
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
 
 #: label → TinyLMConfig fields. The first two are the baselines of the seed chapters.
@@ -73,15 +73,16 @@ def _designs(names):
 
 def depth_profiles(names, batch, seeds, base_config: TinyLMConfig) -> "pandas.DataFrame":
     """:func:`normtools.lab.probes.depth_profile` of a TinyLM (``base_config`` with the design's
-    fields, initialized after ``torch.manual_seed(seed)``) per design and seed, on ``batch``;
-    one row per (design, seed, layer)."""
+    fields, initialized after ``torch.manual_seed(seed)``, on the batch's device) per design and
+    seed, on ``batch``; one row per (design, seed, layer)."""
     import pandas as pd
 
+    device = split_batch(batch)[0].device
     frames = []
     for name, fields in _designs(names).items():
         for seed in seeds:
             torch.manual_seed(seed)
-            df = depth_profile(TinyLM(base_config.replace(**fields)), batch)
+            df = depth_profile(TinyLM(base_config.replace(**fields)).to(device), batch)
             df.insert(0, "seed", seed)
             df.insert(0, "design", name)
             frames.append(df)
