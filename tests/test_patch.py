@@ -1,6 +1,8 @@
 """``normtools.patch``: a tiny random HF model gives the same logits before and after its norm
 modules are swapped for normtools ones; unsupported layouts are refused before anything changes."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -116,3 +118,60 @@ def test_bad_arguments():
         normtools.patch(tiny_model("llama"), backend="cuda")
     with pytest.raises(PatchError, match="not a transformers decoder model"):
         normtools.patch(torch.nn.Linear(2, 2))
+
+
+# ----------------------------------------------------------------------------- QK-Norm + RoPE
+
+FUSABLE = ["qwen3", "olmo2", "gemma3_text"]
+
+
+def fused_rope_calls(monkeypatch):
+    """Count the calls of each modeling module's apply_rotary_pos_emb during ``logits``."""
+    calls = []
+    for name in ("qwen3", "olmo2", "gemma3"):
+        modeling = __import__(f"transformers.models.{name}.modeling_{name}",
+                              fromlist=["apply_rotary_pos_emb"])
+        real = modeling.apply_rotary_pos_emb
+        monkeypatch.setattr(modeling, "apply_rotary_pos_emb",
+                            lambda *a, real=real, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("family", FUSABLE)
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_fused_qk_norm_rope_gives_the_same_logits(family, dtype, backend, monkeypatch):
+    """With fuse_qk_rope the model's own q_norm, k_norm and apply_rotary_pos_emb no longer run
+    (one qk_norm_rope does), and the logits are the same: bit for bit with the torch backend,
+    and with the Triton backend in bfloat16 too (the fused kernel equals the model's rounding
+    there); float32 Triton within rounding. Gradients flow to every norm weight."""
+    model = tiny_model(family, dtype)
+    before = logits(model)
+    normtools.patch(model, backend=backend, fuse_qk_rope=True)
+    calls = fused_rope_calls(monkeypatch)
+    after = logits(model)
+    assert calls == [], "the model's apply_rotary_pos_emb still runs"
+    if backend == "torch":
+        assert torch.equal(after, before)
+    else:
+        torch.testing.assert_close(after, before)
+    model.zero_grad()
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(2))
+    model(ids).logits.float().pow(2).mean().backward()
+    attn = model.get_decoder().layers[0].self_attn
+    assert attn.q_norm.weight.grad is not None and attn.q_norm.weight.grad.abs().sum() > 0
+    assert attn.k_norm.weight.grad is not None and attn.k_norm.weight.grad.abs().sum() > 0
+
+
+def test_fused_patch_refuses_other_families_and_other_transformers_code(monkeypatch):
+    llama = tiny_model("llama")
+    with pytest.raises(PatchError, match="no attention module with q_norm"):
+        normtools.patch(llama, fuse_qk_rope=True)
+    model = tiny_model("qwen3")
+    from normtools.cards import patching
+    monkeypatch.setitem(patching.FUSABLE_ATTENTION, "Qwen3Attention", dataclasses.replace(
+        patching.FUSABLE_ATTENTION["Qwen3Attention"], source_sha256="0" * 16))
+    before = [type(m).__name__ for m in model.modules()]
+    with pytest.raises(PatchError, match="not the transformers version"):
+        normtools.patch(model, fuse_qk_rope=True)
+    assert [type(m).__name__ for m in model.modules()] == before     # untouched

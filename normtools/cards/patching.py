@@ -11,12 +11,25 @@ on the same tensors, so a per_head norm (weight ``(head_dim,)``) still sees the
 Everything is checked before anything is replaced: a model whose norms the spec cannot match
 (an unsupported family or layout, a module of the wrong class, size or eps) raises
 :class:`PatchError` naming every problem, and the model is left untouched.
+
+``fuse_qk_rope=True`` also fuses QK-Norm with the RoPE that follows it (``normtools.qk_norm_rope``)
+in the models that apply RoPE right after their q/k norms: Qwen3, OLMo 2 and Gemma 3. That
+needs a new attention forward, which is ``_fused_attention_forward`` below: the same steps as
+the transformers forward, with ``q_norm``, ``k_norm`` and ``apply_rotary_pos_emb`` replaced by
+one call. Since it restates transformers' code, it is used only for the exact forward it was
+checked against (a hash of its source, per class, in ``FUSABLE_ATTENTION``); any other
+transformers version gets a PatchError instead of a forward that may have drifted.
 """
 
 import dataclasses
+import hashlib
+import inspect
+import sys
+import types
 
 from normtools.core import _validate
 from normtools.core.modules import LayerNorm, RMSNorm
+from normtools.core.rope import qk_norm_rope
 from normtools.cards.derive import from_hf_config
 from normtools.cards.types import NormSpec, SpecError
 
@@ -33,16 +46,19 @@ class _Swap:
     norm: NormSpec
 
 
-def patch(model, backend="auto"):
+def patch(model, backend="auto", *, fuse_qk_rope=False):
     """Replace, in place, every norm module of a transformers ``model`` by a normtools module.
 
-    ``backend``: "auto", "torch" or "triton" (set on every new module). Returns the list of the
+    ``backend``: "auto", "torch" or "triton" (set on every new module). With ``fuse_qk_rope``,
+    each attention's q/k norms and RoPE run as one ``normtools.qk_norm_rope`` (Qwen3, OLMo 2,
+    Gemma 3 at the transformers version in FUSABLE_ATTENTION). Returns the list of the
     replaced module names. Raises :class:`PatchError`, before changing anything, when the model's
     spec cannot be matched.
     """
     _validate.check_backend(backend)
     swaps = _plan(model)
     problems = [p for swap in swaps for p in _check(model, swap)]
+    attentions = _fusable_attentions(model, problems) if fuse_qk_rope else []
     if problems:
         raise PatchError(f"cannot patch {type(model).__name__}: " + "; ".join(problems))
     for swap in swaps:
@@ -51,7 +67,100 @@ def patch(model, backend="auto"):
         new.backend = backend
         parent, _, child = swap.name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
+    for attention, fused in attentions:
+        attention.normtools_fused = fused
+        attention.forward = types.MethodType(_fused_attention_forward, attention)
     return [swap.name for swap in swaps]
+
+
+# ----------------------------------------------------------------------------- QK-Norm + RoPE
+
+@dataclasses.dataclass(frozen=True)
+class FusedAttention:
+    """How one attention class is fused: the sha256 (first 16 hex digits) of the source of the
+    transformers forward that ``_fused_attention_forward`` restates, its QK-Norm scope, whether
+    that forward passes ``sliding_window`` to the attention function, and whether its
+    apply_rotary_pos_emb casts the result back to q's dtype (OLMo 2 computes RoPE with float32
+    tables)."""
+    source_sha256: str
+    scope: str
+    sliding_window: bool
+    cast_back: bool
+
+
+# transformers 5.24: each forward is q/k/v projections → q_norm, k_norm (OLMo 2: on the flat
+# projection; Qwen3: on (B, S, H, D); Gemma 3: on (B, H, S, D)) → apply_rotary_pos_emb → cache
+# update → attention function → o_proj.
+FUSABLE_ATTENTION = {
+    "Qwen3Attention": FusedAttention("648a188563d3f5ea", "per_head", sliding_window=True,
+                                     cast_back=False),
+    "Olmo2Attention": FusedAttention("4c62a7cb133a0250", "per_layer", sliding_window=False,
+                                     cast_back=True),
+    "Gemma3Attention": FusedAttention("bad1000e691e807e", "per_head", sliding_window=True,
+                                      cast_back=False),
+}
+
+
+def _source_sha256(cls):
+    return hashlib.sha256(inspect.getsource(cls.forward).encode()).hexdigest()[:16]
+
+
+def _fusable_attentions(model, problems):
+    """(attention module, FusedAttention) of every layer; appends to ``problems`` why not."""
+    found = []
+    for name, module in model.named_modules():
+        if not (hasattr(module, "q_norm") and hasattr(module, "q_proj")):
+            continue
+        cls = type(module)
+        fused = FUSABLE_ATTENTION.get(cls.__name__)
+        if fused is None:
+            problems.append(f"{name}: fusing QK-Norm with RoPE is supported for "
+                            f"{', '.join(FUSABLE_ATTENTION)}, not {cls.__name__}")
+        elif _source_sha256(cls) != fused.source_sha256:
+            problems.append(f"{name}: {cls.__name__}.forward is not the transformers version "
+                            f"normtools fuses (source sha256 {_source_sha256(cls)}, expected "
+                            f"{fused.source_sha256}); patch without fuse_qk_rope")
+        else:
+            found.append((module, fused))
+    if not found and not problems:
+        problems.append("no attention module with q_norm / k_norm to fuse")
+    return found
+
+
+def _fused_attention_forward(self, hidden_states, position_embeddings, attention_mask,
+                             cache=None, **kwargs):
+    """The transformers attention forward (FUSABLE_ATTENTION) with q_norm, k_norm and
+    apply_rotary_pos_emb as one ``qk_norm_rope`` on the (B, S, H, D) projections; the norms'
+    parameters and settings are those of the (normtools) q_norm / k_norm modules."""
+    fused, modeling = self.normtools_fused, sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_states = self.q_proj(hidden_states).view(hidden_shape)
+    key_states = self.k_proj(hidden_states).view(hidden_shape)
+    value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+    q_norm, k_norm = self.q_norm, self.k_norm
+    cos, sin = position_embeddings
+    query_states, key_states = qk_norm_rope(
+        query_states, key_states, q_norm.weight, k_norm.weight, cos, sin, q_norm.eps,
+        head_dim=self.head_dim, scope=fused.scope,
+        offset=q_norm.offset, casting=q_norm.casting, cast_back=fused.cast_back,
+        backend=q_norm.backend)
+    query_states, key_states = query_states.transpose(1, 2), key_states.transpose(1, 2)
+
+    if cache is not None:
+        key_states, value_states = cache.update(key_states, value_states, self.layer_idx,
+                                                kwargs=kwargs)
+    attention_interface = modeling.ALL_ATTENTION_FUNCTIONS.get_interface(
+        self.config._attn_implementation, modeling.eager_attention_forward)
+    if fused.sliding_window:
+        kwargs["sliding_window"] = self.sliding_window
+    attn_output, attn_weights = attention_interface(
+        self, query_states, key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+        **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
 
 
 def _plan(model) -> list:
