@@ -51,8 +51,9 @@ t * stride_t + (r * HEADS_PER_ROW + j) * D + c; its weight at r * w_row_stride +
 (w_row_stride = 0 when every row shares the weight, D for one weight row per head); its cos
 and sin at t * stride_cos + c. Offsets are 64-bit.
 
-A per_head row is read once; a per_layer row is read twice (pass 1: the sum of squares over
-its heads; pass 2: normalize, rotate and store head by head). Under the Triton interpreter
+In the forward, a per_head row is read once and a per_layer row twice (pass 1: the sum of
+squares over its heads; pass 2: normalize, rotate and store head by head); the backward reads
+every row twice (pass 1: mean(g * x_hat); pass 2: dx and dw). Under the Triton interpreter
 there is no bf16 arithmetic: values are upcast to float32 right after tl.load and cast down
 only to store or to emulate a rounding.
 """
@@ -218,8 +219,8 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_
             cos_rows, sin_rows, w_row + j * HEAD_DIM, half, mask, offset, HEAD_DIM)
         sum_g_xhat += (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) * rstd
     mean_g_xhat = sum_g_xhat / (HEADS_PER_ROW * HEAD_DIM)
-    # pass 2: dx and the dw partial, head by head (per_head: the loads of pass 1 are reused
-    # by the compiler, the loop has one iteration)
+    # pass 2: dx and the dw partial, head by head (per_head too reads its one head twice: the
+    # second read mostly from cache)
     for j in range(HEADS_PER_ROW):
         x1, x2, g1, g2, dy1, dy2 = _load_grad_head(
             x_rows + (first_head + j) * HEAD_DIM, do_rows + (first_head + j) * HEAD_DIM,
