@@ -3,8 +3,8 @@
 * Against the models themselves: in tiny random Qwen3, OLMo 2 (per-layer) and Gemma 3 models,
   forward hooks record what each layer feeds its q_norm / k_norm (test_hf_parity_qk), and a
   wrapper around the modeling module's own ``apply_rotary_pos_emb`` records the rotated q and
-  k it returns (and the cos / sin it was given). ``backend="torch"`` must give the same bits in float32 and bfloat16;
-  the Triton kernel the same bits in bfloat16 and, in float32, within a few ulps of the largest
+  k it returns (and the cos / sin it was given). ``backend="torch"`` must give the same bits
+  in float32 and bfloat16; the Triton kernel the same bits in bfloat16 and, in float32, within a few ulps of the largest
   value (its sum of squares adds the two halves of a head separately, so r can differ in the
   last bit: float32 bit-exactness would need transformers' own reduction order).
 * Gradients (q, k and both weights) against autograd of float64 math (``_oracle``), for both

@@ -7,8 +7,8 @@ exactly as Qwen3, Gemma 3 and OLMo 2 compute them in transformers (their q_norm 
 ``apply_rotary_pos_emb``): the norm's output is rounded to its dtype, then the rotation is
 computed in PyTorch's promoted dtype of that output and cos / sin, each product and the sum
 rounded (normtools.core.reference.rope_reference); with ``cast_back=True`` the result is cast
-to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``). ``backend="torch"`` runs that reference;
-``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
+to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``).
+``backend="torch"`` runs that reference; ``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
 ``qk_norm_rope_bwd``). The op is the custom op ``normtools::qk_norm_rope_fwd`` (backward
 ``normtools::qk_norm_rope_bwd``), with fake implementations for ``torch.compile``.
 
@@ -54,8 +54,9 @@ def check_rope_tables(cos, sin, q, head_dim, token_shape):
         try:
             torch.broadcast_shapes(table.shape[:-1], token_shape)
         except RuntimeError:
-            raise ValueError(f"{name} has shape {tuple(table.shape)}; its leading dimensions do "
-                             f"not broadcast to q's token dimensions {tuple(token_shape)}") from None
+            raise ValueError(f"{name} has shape {tuple(table.shape)}; its leading dimensions "
+                             f"do not broadcast to q's token dimensions {tuple(token_shape)}"
+                             ) from None
         if torch.broadcast_shapes(table.shape[:-1], token_shape) != token_shape:
             raise ValueError(f"{name} {tuple(table.shape)} would broadcast q's token dimensions "
                              f"{tuple(token_shape)} to more tokens")
