@@ -77,9 +77,10 @@ def depth_profiles(names, batch, seeds, base_config: TinyLMConfig) -> "pandas.Da
     seed, on ``batch``; one row per (design, seed, layer)."""
     import pandas as pd
 
+    designs = _designs(names)
     device = split_batch(batch)[0].device
     frames = []
-    for name, fields in _designs(names).items():
+    for name, fields in designs.items():
         for seed in seeds:
             torch.manual_seed(seed)
             df = depth_profile(TinyLM(base_config.replace(**fields)).to(device), batch)
