@@ -161,3 +161,26 @@ def test_qk_norm_offsets_are_64_bit():
     assert offsets == expected
     assert max(offsets) > 2**31
     assert np.all(np.concatenate(rstd_stores) >= rstd.data_ptr())
+
+
+@pytest.mark.parametrize("kernel", _launch.KERNELS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_plans_cover_every_row_once(kernel, dtype):
+    """For row lengths across the table and a few M: the persistent programs of each slot
+    cover rows [0, M) with whole BLOCK_M blocks (the last programs may get none: their
+    partial rows are zeros, see above), a chunk never exceeds the table's width, and the grid
+    stays within PROGRAMS_PER_SM programs per SM, rounded up to whole slots."""
+    for n in (1, 100, 1024, 5000, 8192, 16384, 16385, 131072):
+        for m in (1, 7, 4096, 100003):
+            for slots in (1, 40):
+                plan = _launch.launch_plan(kernel, dtype, m, n, "cuda", 132, slots)
+                config = _launch.cuda_row_config(kernel, dtype.itemsize, n)
+                assert plan.rows_per_program % plan.block_m == 0 and config.reason
+                groups = plan.programs // slots
+                assert plan.programs == groups * slots
+                assert groups * plan.rows_per_program >= m
+                assert plan.rows_per_program < m + plan.block_m      # no program beyond M
+                assert plan.single_pass == (n <= plan.block_n)
+                if config.block_n is not None:
+                    assert plan.block_n <= config.block_n
+                assert groups <= max(1, -(-_launch.PROGRAMS_PER_SM * 132 // slots))
