@@ -64,6 +64,7 @@ def test_seed_spread_and_versus():
     spread = related.seed_spread(table, "loss")
     assert list(spread.index) == ["A", "B", "C"]
     assert spread.loc["A", "mean"] == pytest.approx(7 / 3)
+    assert spread.loc["A", "median"] == 2.0 and spread.loc["B", "median"] == 5.5
     assert (spread.loc["A", "min"], spread.loc["A", "max"], spread.loc["A", "seeds"]) == (1.0, 4.0, 3)
     assert related.versus(table, "loss", "A", "B") == "lower"
     assert related.versus(table, "loss", "B", "A") == "higher"

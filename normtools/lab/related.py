@@ -130,11 +130,10 @@ def train_designs(names, data, base_config: TinyLMConfig, lrs, seeds, *, steps: 
 
 
 def seed_spread(table, metric: str, by=("design",)) -> "pandas.DataFrame":
-    """Per group of ``by`` (in order of appearance): mean, min and max of ``metric`` over the
-    seeds, and the number of seeds."""
+    """Per group of ``by`` (in order of appearance): median, mean, min and max of ``metric``
+    over the seeds, and the number of seeds."""
     grouped = table.groupby(list(by), sort=False)[metric]
-    out = grouped.agg(["mean", "min", "max", "count"]).rename(columns={"count": "seeds"})
-    return out
+    return grouped.agg(["median", "mean", "min", "max", "count"]).rename(columns={"count": "seeds"})
 
 
 def versus(table, metric: str, a: str, b: str) -> str:
