@@ -255,17 +255,20 @@ CUDA_ROW_CONFIGS = {
                   "sm_90): chunks of 8192, two passes"),
     ),
     ("bwd", 2): (
-        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
+        RowConfig(1024, _, 8, 4096, "short rows: 4096-value tiles in 8 warps (QK-Norm's q/k "
+                  "kernel spills 8-16 B in 4)"),
         RowConfig(4096, _, 8, 4096, "one row per block, x and dy: 2 x 16 values per thread"),
         RowConfig(8192, _, 16, 8192, "one row per block, x and dy: 2 x 16 values per thread"),
         RowConfig(1 << 62, 4096, 16, 4096, "a whole row spills (16384 at sm_90: 164 B RMSNorm, "
                   "292 B LayerNorm in 16 warps, 104 / 216 B in 32): chunks of 4096"),
     ),
     ("bwd", 4): (
-        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
+        RowConfig(1024, _, 8, 4096, "short rows: 4096-value tiles in 8 warps (QK-Norm's q/k "
+                  "kernel spills 8-16 B in 4)"),
         RowConfig(4096, _, 8, 4096, "one row per block, x and dy: 2 x 16 values per thread"),
         RowConfig(8192, _, 16, 8192, "one row per block, x and dy: 2 x 16 values per thread"),
-        RowConfig(1 << 62, 4096, 16, 4096, "x, dy and dw of a whole row spill: chunks of 4096"),
+        RowConfig(1 << 62, 2048, 8, 2048, "x, dy and dw of a whole row spill; QK-Norm's chunked "
+                  "kernel spills 4 B with chunks of 4096: chunks of 2048"),
     ),
 }
 del _
