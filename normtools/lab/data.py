@@ -10,7 +10,6 @@ The last ``val_fraction`` of the bytes is the validation split.
 from __future__ import annotations
 
 import hashlib
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,11 +89,3 @@ def load_corpus(val_fraction: float = 0.1) -> TextData:
     n_train = int(ids.numel() * (1.0 - val_fraction))
     return TextData(train=ids[:n_train], val=ids[n_train:])
 
-
-def load_stdlib_text(val_fraction: float = 0.1) -> TextData:
-    """Deprecated alias of :func:`load_corpus` (the corpus is no longer the standard library).
-
-    Kept only until the chapters that call it have switched; it returns the new corpus.
-    """
-    warnings.warn("load_stdlib_text() is deprecated; use load_corpus()", DeprecationWarning, stacklevel=2)
-    return load_corpus(val_fraction)
