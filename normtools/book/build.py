@@ -14,6 +14,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import sysconfig
 import re
 import resource
 import sys
@@ -147,7 +148,11 @@ def lock_text() -> str:
     CUDA build elsewhere. The header records the Python and platform the lock was made on.
     """
     versions = {}
-    for dist in importlib.metadata.distributions():
+    # Only what is installed in the environment's site-packages: once setuptools is imported it
+    # appends its own vendored packages (autocommand, jaraco.*, ...) to sys.path, which pip freeze
+    # does not list.
+    site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
+    for dist in importlib.metadata.distributions(path=site):
         name = dist.metadata["Name"]
         if name and _canonical(name) not in UNLOCKED_DISTRIBUTIONS:
             versions.setdefault(_canonical(name), f"{name}=={dist.version.split('+')[0]}")

@@ -35,7 +35,8 @@ import pandas as pd
 import torch
 import triton.runtime.interpreter as triton_interpreter
 
-import normtools
+from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
+from normtools.core.qk import qk_norm
 from normtools.core import _launch
 from normtools.measure.bench.plan import QK_OPS, make_inputs
 from normtools.measure.bench.traffic import bytes_moved
@@ -178,17 +179,14 @@ def _run(op, inputs):
     tensors = {k: v.detach().requires_grad_(backward) for k, v in inputs.items()
                if isinstance(v, torch.Tensor)}
     if base.startswith("qk_norm"):
-        outs = normtools.qk_norm(tensors["q"], tensors["k"], tensors["q_w"], tensors["k_w"],
-                                 head_dim=inputs["D"], scope=base[len("qk_norm_"):],
-                                 backend="triton")
+        outs = qk_norm(tensors["q"], tensors["k"], tensors["q_w"], tensors["k_w"],
+                       head_dim=inputs["D"], scope=base[len("qk_norm_"):], backend="triton")
     elif base == "rms_norm":
-        outs = (normtools.rms_norm(tensors["x"], tensors["w"], backend="triton"),)
+        outs = (rms_norm(tensors["x"], tensors["w"], backend="triton"),)
     elif base == "add_rms_norm":
-        outs = normtools.add_rms_norm(tensors["x"], tensors["residual"], tensors["w"],
-                                      backend="triton")
+        outs = add_rms_norm(tensors["x"], tensors["residual"], tensors["w"], backend="triton")
     else:
-        outs = (normtools.layer_norm(tensors["x"], tensors["w"], tensors.get("b"),
-                                     backend="triton"),)
+        outs = (layer_norm(tensors["x"], tensors["w"], tensors.get("b"), backend="triton"),)
     if backward:
         torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
 

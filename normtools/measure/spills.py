@@ -36,7 +36,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-import normtools
+from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
+from normtools.core.qk import qk_norm
 from normtools.core import _launch
 
 ARCHS = (90, 80, 75)
@@ -72,18 +73,17 @@ def record_launches(op, dtype, n, m=64):
             k = torch.zeros(m, hk * d, dtype=dtype, requires_grad=backward)
             qw = torch.ones(d if per_head else hq * d, dtype=dtype, requires_grad=backward)
             kw = torch.ones(d if per_head else hk * d, dtype=dtype, requires_grad=backward)
-            outs = normtools.qk_norm(q, k, qw, kw, head_dim=d, scope=base[len("qk_norm_"):],
-                                     backend="triton")
+            outs = qk_norm(q, k, qw, kw, head_dim=d, scope=base[len("qk_norm_"):], backend="triton")
         else:
             x = torch.zeros(m, n, dtype=dtype, requires_grad=backward)
             w = torch.ones(n, dtype=dtype, requires_grad=backward)
             if base == "rms_norm":
-                outs = (normtools.rms_norm(x, w, backend="triton"),)
+                outs = (rms_norm(x, w, backend="triton"),)
             elif base == "add_rms_norm":
-                outs = normtools.add_rms_norm(x, torch.zeros_like(x), w, backend="triton")
+                outs = add_rms_norm(x, torch.zeros_like(x), w, backend="triton")
             else:
                 b = torch.zeros(n, dtype=dtype, requires_grad=backward)
-                outs = (normtools.layer_norm(x, w, b, backend="triton"),)
+                outs = (layer_norm(x, w, b, backend="triton"),)
         if backward:
             torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
     return launches
