@@ -6,6 +6,7 @@
 #   make lock   rewrite constraints.txt, the locked environment, from the venv
 #   make diagrams    render new mermaid diagrams to book/_diagrams (headless Chromium)
 #   make nbval-perturbed   nbval again under another numerical path (CI runs it after make test)
+#   make atlas  re-probe every transformers family into normtools/cards/data/atlas.json
 
 PYTHON      ?= python3
 VENV        := .venv
@@ -31,7 +32,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: all setup lock book execute html diagrams colab test unit nbval nbval-perturbed notebooks clean
+.PHONY: all setup lock book execute html diagrams colab atlas test unit nbval nbval-perturbed notebooks clean
 
 all: test book
 
@@ -98,6 +99,11 @@ notebooks: $(STAMP)
 # diagrams as images); tests/test_colab.py checks that it is in sync.
 colab: $(STAMP)
 	$(VPY) -m normtools.book.colab
+
+# The atlas: every causal-LM family of the installed transformers probed from its running code
+# (a few minutes on 2 cores); review the diff (`normtools atlas --compare`) and commit.
+atlas: $(STAMP)
+	$(VENV)/bin/normtools atlas --refresh
 
 # --- tests ------------------------------------------------------------------------------
 NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
