@@ -23,8 +23,8 @@ import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend
-from normtools.core.qk import (_head_stride, _sum_partials, _torch_backward, _torch_forward,
-                               check_qk_inputs)
+from normtools.core.qk import (_head_stride, _row_lens, _sum_partials, _torch_backward,
+                               _torch_forward, check_qk_inputs)
 from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
 
@@ -156,10 +156,6 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
 
 
 # ----------------------------------------------------------------------------- custom ops
-
-def _row_lens(q2d, k2d, head_dim, per_layer):
-    return (q2d.shape[1], k2d.shape[1]) if per_layer else (head_dim, head_dim)
-
 
 @torch.library.custom_op("normtools::qk_norm_rope_fwd", mutates_args=())
 def _qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, cos: Tensor,
