@@ -128,3 +128,43 @@ def test_single_pass_ratios_at_the_cuda_plan(op):
     is read once per program of the persistent grid, not once per row)."""
     result = kt.case_traffic(op, {"M": 4096, "N": 2048})
     assert 1.0 <= result["ratio"] <= 1.05, result
+
+
+def test_qk_norm_rope_minimum_counted_by_hand():
+    """bench.bytes_moved of the fused QK-Norm + RoPE, bf16, T = 5 tokens, 4 q and 2 k heads of
+    D = 8: q 5·4·8·2 = 320 B, k 160 B, per-head weights 2·8·2 = 32 B (per layer 6·8·2 = 96 B),
+    cos and sin 2·5·8·2 = 160 B (once per position, shared by q and k). Forward: q, k read and
+    written, weights and tables read; forward+backward: 5(q + k) + 3 weights + 2 tables."""
+    from normtools.measure import bench
+    shape = {"T": 5, "Hq": 4, "Hk": 2, "D": 8}
+    assert bench.bytes_moved("qk_norm_rope_per_head", shape, torch.bfloat16) == (
+        2 * 320 + 2 * 160 + 32 + 160)
+    assert bench.bytes_moved("qk_norm_rope_per_layer", shape, torch.bfloat16) == (
+        2 * 320 + 2 * 160 + 96 + 160)
+    assert bench.bytes_moved("qk_norm_rope_per_head_fwd_bwd", shape, torch.bfloat16) == (
+        5 * 320 + 5 * 160 + 3 * 32 + 2 * 160)
+    assert kt.minimum_bytes("qk_norm_rope_per_layer_fwd_bwd", shape, torch.bfloat16) == (
+        5 * 320 + 5 * 160 + 3 * 96 + 2 * 160)
+
+
+@pytest.mark.parametrize("scope", ["per_head", "per_layer"])
+def test_qk_norm_rope_minimum_matches_the_tensors(scope):
+    """The same minimum from the tensors that normtools.qk_norm_rope takes and returns
+    (make_inputs' inputs, the outputs, and for the backward the gradients autograd returns)."""
+    from normtools.measure import bench
+    shape, d = {"T": 6, "Hq": 4, "Hk": 2, "D": 8}, 8
+    t = bench.make_inputs(f"qk_norm_rope_{scope}_fwd_bwd", shape, torch.bfloat16, "cpu")
+    assert t["cos"].shape == t["sin"].shape == (6, 8) and t["dq_out"].shape == t["q"].shape
+    assert torch.allclose(t["cos"][3].float(), torch.cos(3 / 10000 ** (
+        torch.arange(8) % 4 * 2 / 8.0)), atol=4e-3)                  # position 3's table
+    outs = normtools.qk_norm_rope(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"], t["sin"],
+                                  head_dim=d, scope=scope, backend="torch")
+    grads = torch.autograd.grad(outs, (t["q"], t["k"], t["q_w"], t["k_w"]),
+                                (t["dq_out"], t["dk_out"]))
+    nbytes = lambda *ts: sum(x.nbytes for x in ts)
+    reads = nbytes(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"], t["sin"])
+    forward = reads + nbytes(*outs)
+    backward = reads + nbytes(t["dq_out"], t["dk_out"], *grads)
+    assert bench.bytes_moved(f"qk_norm_rope_{scope}", shape, torch.bfloat16) == forward
+    assert bench.bytes_moved(f"qk_norm_rope_{scope}_fwd_bwd", shape,
+                             torch.bfloat16) == forward + backward

@@ -145,6 +145,8 @@ def minimum_bytes(op, shape, dtype):
     * qk_norm_*_fwd_bwd:   forward 2Q + 2K + Wq + Wk; backward read q, k, dq_out, dk_out,
                            q_w, k_w, write dq, dk, dq_w, dk_w = 5Q + 5K + 3(Wq + Wk).
     """
+    if op in QK_OPS:        # qk_norm_rope_*_fwd_bwd included
+        return bytes_moved(op, shape, dtype)
     if op == "layer_norm_fwd_bwd":
         s = torch.empty(0, dtype=dtype).element_size()
         return 5 * shape["M"] * shape["N"] * s + 5 * shape["N"] * s

@@ -3,12 +3,17 @@
 import torch
 
 ROW_OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm")
-QK_OPS = ("qk_norm_per_head", "qk_norm_per_layer")
+# Fused QK-Norm + RoPE, forward and forward+backward (normtools.qk_norm_rope); not yet timed by
+# the sweep (OPS), but make_inputs and bytes_moved know them.
+QK_ROPE_OPS = ("qk_norm_rope_per_head", "qk_norm_rope_per_layer",
+               "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
+QK_OPS = ("qk_norm_per_head", "qk_norm_per_layer") + QK_ROPE_OPS
 # Sweep order: the ops with performance targets first, so a time budget cuts the others.
 OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head", "add_rms_norm", "layer_norm",
        "qk_norm_per_layer")
 BACKENDS = ("normtools-triton", "normtools-torch", "torch-F", "torch-compile", "liger")
 RMS_EPS, LAYER_EPS = 1e-6, 1e-5
+ROPE_THETA = 10000.0
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -48,10 +53,12 @@ def make_inputs(op, shape, dtype, device, seed=0):
     Row ops: x (M, N), w (N,), plus residual (M, N) for add_rms_norm, b (N,) for layer_norm, and
     dy (M, N) for rms_norm_fwd_bwd (x and w then require grad). QK ops: q (T, Hq·D), k (T, Hk·D)
     and weights q_w, k_w of shape (D,) per head or (Hq·D,), (Hk·D,) per layer. Weights are
-    1 + small noise in the activation dtype; nothing is zero.
+    1 + small noise in the activation dtype; nothing is zero. qk_norm_rope_*: also cos, sin
+    (T, D), the rotary tables of positions 0 … T−1 (``rope_tables``), and for *_fwd_bwd the
+    output gradients dq_out (T, Hq·D), dk_out (T, Hk·D) (q, k, q_w, k_w then require grad).
     """
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
+    if op not in OPS + QK_OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS + QK_ROPE_OPS)}")
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size, scale=1.0, base=0.0):
@@ -60,10 +67,17 @@ def make_inputs(op, shape, dtype, device, seed=0):
 
     if op in QK_OPS:
         t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
-        per_head = op == "qk_norm_per_head"
-        return {"q": randn(t, hq * d), "k": randn(t, hk * d),
-                "q_w": randn(d if per_head else hq * d, scale=0.1, base=1.0),
-                "k_w": randn(d if per_head else hk * d, scale=0.1, base=1.0)}
+        per_head = "per_head" in op
+        inputs = {"q": randn(t, hq * d), "k": randn(t, hk * d),
+                  "q_w": randn(d if per_head else hq * d, scale=0.1, base=1.0),
+                  "k_w": randn(d if per_head else hk * d, scale=0.1, base=1.0)}
+        if op in QK_ROPE_OPS:
+            inputs["cos"], inputs["sin"] = rope_tables(t, d, dtype, device)
+        if op.endswith("_fwd_bwd"):
+            for name in ("q", "k", "q_w", "k_w"):
+                inputs[name].requires_grad_(True)
+            inputs["dq_out"], inputs["dk_out"] = randn(t, hq * d), randn(t, hk * d)
+        return inputs
     m, n = shape["M"], shape["N"]
     inputs = {"x": randn(m, n), "w": randn(n, scale=0.1, base=1.0)}
     if op == "add_rms_norm":
@@ -75,3 +89,14 @@ def make_inputs(op, shape, dtype, device, seed=0):
         inputs["w"].requires_grad_(True)
         inputs["dy"] = randn(m, n)
     return inputs
+
+
+def rope_tables(n_tokens, head_dim, dtype, device, theta=ROPE_THETA):
+    """(cos, sin), each (n_tokens, head_dim): the rotary tables of positions 0 … n_tokens − 1 as
+    transformers' default RoPE builds them, angle[t, j] = t · theta^(−2 (j mod D/2) / D)
+    (the D/2 frequencies repeated over the two halves), computed in float32, cast to ``dtype``."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                          / head_dim)
+    angles = torch.arange(n_tokens, device=device, dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
