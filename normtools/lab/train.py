@@ -35,6 +35,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm  # the text bar: tqdm.auto warns at import in kernels without ipywidgets
 
+from normtools.core.precision import compute_dtype
 from normtools.lab.probes import decoder_layers, panels, recording, split_batch
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
@@ -68,7 +69,9 @@ def autocast_for(precision: str, device: torch.device):
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
     if precision == "auto":
-        precision = "bf16" if device.type == "cuda" and torch.cuda.is_bf16_supported() else "fp32"
+        # compute_dtype: bf16 arithmetic, not emulated (a T4 falls back to fp32, with a message)
+        precision = ("bf16" if device.type == "cuda"
+                     and compute_dtype(device, torch.float32) == torch.bfloat16 else "fp32")
     if precision == "fp32":
         return precision, nullcontext()
     if precision == "fp16" and device.type != "cuda":
@@ -119,7 +122,9 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
     ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping;
     ``z_loss_coef`` > 0 minimizes cross-entropy + z_loss_coef · :func:`z_loss` (PaLM: 1e-4);
     ``precision`` is one of :data:`PRECISIONS` (see :func:`autocast_for`; the validation loss is
-    computed in the same precision); ``quiet`` turns the progress bar off. With ``eval_batches > 0`` the validation loss before and after
+    computed in the same precision); ``quiet`` turns the progress bar off. A model with an
+    ``after_optimizer_step()`` method has it called after every optimizer step (TinyLM: nGPT's
+    weight renormalization). With ``eval_batches > 0`` the validation loss before and after
     training is in ``df.attrs["initial_loss"]`` and ``df.attrs["final_loss"]``. A run whose loss
     becomes non-finite stops there (its last record has the non-finite loss).
     """
@@ -137,6 +142,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
     optimizer = make_optimizer(model, lr, weight_decay, betas)
+    after_step = getattr(model, "after_optimizer_step", None)  # TinyLM: nGPT's renormalization
     depth = len(decoder_layers(model))
     attrs = {"lr": lr, "steps": steps, "precision": precision, "z_loss_coef": z_loss_coef}
     if eval_batches:
@@ -169,6 +175,8 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
             scaler.update()
         else:
             optimizer.step()
+        if after_step is not None:
+            after_step()
         record = {"step": step, "lr": step_lr, "loss": loss.item(), "grad_norm": grad_norm,
                   "log_z": torch.logsumexp(output_logits.detach(), -1).mean().item(),
                   "logit_max": max(logit_max)}
