@@ -3,8 +3,11 @@
 The hand computation below does not use normtools.lab.tinylm: norms, RoPE (as complex rotation),
 attention (explicit loops over heads with the GQA head map), SwiGLU and each placement's
 block are written out from their definitions, reading the model's weights. The designs of
-chapter 7 too: DeepNorm's α and β from Wang et al. (2022)'s formulas, Mix-LN's layer split,
-LayerNorm Scaling's 1/√ℓ, nGPT's v/‖v‖ and step, and DyT's w·tanh(α·x) + b.
+chapter 7 too: DeepNorm's α and β from Wang et al. (2022)'s formulas, Admin's ω ⊙ x and its
+profiling pass (the variances recomputed by hand), Mix-LN's layer split, LayerNorm Scaling's
+1/√ℓ, nGPT (v/‖v‖ everywhere, its eigen learning rates, s_qk with the √d_k softmax scale, s_u,
+s_v, s_z, and its matrices back on the sphere after an optimizer step), and DyT's
+w·tanh(α·x) + b.
 """
 
 import math
@@ -30,9 +33,10 @@ EXPECTED_TEXT = {
     "parallel": "x = x + Attn(N_in(x)) + MLP(N_in(x))",
     "none": "x = x + Attn(x)\nx = x + MLP(x)",
     "deepnorm": "x = N_attn_res(α·x + Attn(x))\nx = N_mlp_res(α·x + MLP(x))",
+    "admin": "x = N_attn_res(ω_attn ⊙ x + Attn(x))\nx = N_mlp_res(ω_mlp ⊙ x + MLP(x))",
     "lns": "x = x + Attn(N_attn_in(x)/√ℓ)\nx = x + MLP(N_mlp_in(x)/√ℓ)",
-    "ngpt": ("x = N_attn_res(x + a_attn ⊙ (N_attn_out(Attn(x)) − x))\n"
-             "x = N_mlp_res(x + a_mlp ⊙ (N_mlp_out(MLP(x)) − x))"),
+    "ngpt": ("x = N_attn_res(x + α_attn ⊙ (N_attn_out(Attn(x)) − x))\n"
+             "x = N_mlp_res(x + α_mlp ⊙ (N_mlp_out(MLP(x)) − x))"),
 }
 
 
@@ -41,8 +45,13 @@ def d64(t):
 
 
 def hand_sphere(x):
-    """nGPT's normalization: each row scaled to L2 norm √d (RMS 1)."""
-    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True) * math.sqrt(x.shape[-1])
+    """nGPT's normalization: each row scaled to L2 norm 1."""
+    return x / torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+
+
+def ngpt_vector(module):
+    """An nGPT scaling vector as the paper parameterizes it: the stored p times init / scale."""
+    return d64(module.weight) * module.gain
 
 
 def hand_norm(norm, x, eps):
@@ -90,7 +99,12 @@ def hand_attention(attn, h, cfg):
         qh = hand_rope(q[:, head * d:(head + 1) * d], cfg.rope_theta)
         kh = hand_rope(k[:, kv * d:(kv + 1) * d], cfg.rope_theta)
         vh = v[:, kv * d:(kv + 1) * d]
-        scores = qh @ kh.T / math.sqrt(d)
+        if cfg.placement == "ngpt":                # q, k on the unit sphere per head, times s_qk
+            s_qk = ngpt_vector(attn.s_qk)[head * d:(head + 1) * d]
+            qh, kh = s_qk * hand_sphere(qh), s_qk * hand_sphere(kh)
+            scores = qh @ kh.T * math.sqrt(d)      # nGPT's softmax scale √d_k
+        else:
+            scores = qh @ kh.T / math.sqrt(d)
         scores = scores.masked_fill(torch.ones(T, T).triu(1).bool(), float("-inf"))
         heads_out.append(torch.softmax(scores, dim=-1) @ vh)
     return torch.cat(heads_out, dim=-1) @ d64(attn.o_proj.weight).T
@@ -98,6 +112,8 @@ def hand_attention(attn, h, cfg):
 
 def hand_mlp(mlp, h):
     gate, up = h @ d64(mlp.gate_proj.weight).T, h @ d64(mlp.up_proj.weight).T
+    if mlp.ngpt:                                   # u = s_u ⊙ u, ν = s_v ⊙ ν · √d_model
+        gate, up = ngpt_vector(mlp.s_v) * gate * math.sqrt(h.shape[-1]), ngpt_vector(mlp.s_u) * up
     return (gate * torch.sigmoid(gate) * up) @ d64(mlp.down_proj.weight).T
 
 
@@ -124,8 +140,11 @@ def hand_block(block, x, cfg, layer):
     elif p == "lns":        # Sun et al. 2025: the norm's output times 1/√ℓ, ℓ = layer + 1
         x = x + Attn(N("attn_in", x) / math.sqrt(layer + 1))
         x = x + MLP(N("mlp_in", x) / math.sqrt(layer + 1))
+    elif p == "admin":      # Liu et al. 2020: x_i = LN(ω_i ⊙ x_{i-1} + f_i(x_{i-1}))
+        x = N("attn_res", d64(block.omegas["attn"]) * x + Attn(x))
+        x = N("mlp_res", d64(block.omegas["mlp"]) * x + MLP(x))
     elif p == "ngpt":       # Loshchilov et al. 2025: h ← S(h + α ⊙ (S(f(h)) − h))
-        a_attn, a_mlp = d64(block.rates["attn"]), d64(block.rates["mlp"])
+        a_attn, a_mlp = ngpt_vector(block.rates["attn"]), ngpt_vector(block.rates["mlp"])
         x = hand_sphere(x + a_attn * (hand_sphere(Attn(x)) - x))
         x = hand_sphere(x + a_mlp * (hand_sphere(MLP(x)) - x))
     elif p == "post":
@@ -166,9 +185,12 @@ CASES = [dict(placement=p) for p in PLACEMENT_NAMES] + [
     dict(placement="sandwich", qk_norm="per_head", heads=4, kv_heads=1),
     dict(placement="parallel", qk_norm="per_layer", heads=4, kv_heads=2),
     dict(placement="deepnorm", norm="layer"),
+    dict(placement="admin", norm="layer"),
+    dict(placement="admin", depth=3),
     dict(placement="mix_ln", post_ln_fraction=0.5, depth=3),
     dict(placement="lns", depth=3, qk_norm="per_head"),
     dict(placement="ngpt", depth=3),
+    dict(placement="ngpt", heads=4, kv_heads=2),
     dict(placement="pre", norm="dyt"),
     dict(placement="post", norm="dyt", final_norm=True),
 ]
@@ -188,8 +210,6 @@ def test_forward_equals_printed_equation(config):
         assert block_equation(cfg, layer=layer) == expected_text(cfg, layer)
     ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     x = model.embed(ids)
-    if cfg.placement == "ngpt":
-        x = hand_sphere(d64(x)).float()
     for layer, block in enumerate(model.layers):
         got = block(x)
         want = torch.stack([hand_block(block, d64(seq), cfg, layer) for seq in x])
@@ -200,7 +220,10 @@ def test_forward_equals_printed_equation(config):
     h = d64(x)
     if cfg.has_final_norm:
         h = hand_norm(model.final_norm, h, cfg.eps)
-    torch.testing.assert_close(d64(logits), h @ d64(model.lm_head.weight).T, rtol=1e-5, atol=1e-5)
+    want = h @ d64(model.lm_head.weight).T
+    if cfg.placement == "ngpt":                    # nGPT's logit scaling s_z
+        want = ngpt_vector(model.s_z) * want
+    torch.testing.assert_close(d64(logits), want, rtol=1e-5, atol=1e-5)
 
 
 def test_mix_ln_equation_names_its_layers():
@@ -214,8 +237,8 @@ def test_mix_ln_equation_names_its_layers():
 
 def test_final_norm_defaults():
     expected = {"post": False, "pre": True, "sandwich": True, "post_sublayer": True,
-                "parallel": True, "none": False, "deepnorm": False, "mix_ln": True,
-                "lns": True, "ngpt": False}
+                "parallel": True, "none": False, "deepnorm": False, "admin": False,
+                "mix_ln": True, "lns": True, "ngpt": False}
     for placement, on in expected.items():
         model = TinyLM(TinyLMConfig.from_size("test", placement=placement, backend="torch"))
         assert isinstance(model.final_norm, normtools.RMSNorm) is on
@@ -230,7 +253,8 @@ def test_latex_equation_has_the_same_structure(placement):
     assert latex.startswith(r"\begin{aligned}") and latex.endswith(r"\end{aligned}")
     assert latex.count(r"\leftarrow") == text.count("x = ")
     assert latex.count(r"\text{layers") == text.count("layers ")
-    assert latex.count(r"\alpha") == text.count("α·")
+    assert latex.count(r"\alpha") == text.count("α·") + text.count("α_")
+    assert latex.count(r"\omega") == text.count("ω_")
     assert latex.count(r"\sqrt{\ell}") == text.count("√ℓ")
     assert latex.count(r"\odot") == text.count("⊙")
     assert latex.count(r"\mathrm{N}") == text.count("N_")
@@ -252,7 +276,6 @@ def test_norm_modules_follow_the_equation(norm, kind):
             assert all(isinstance(n, kind) for n in block.norms.values())
     ngpt = TinyLM(TinyLMConfig.from_size("test", placement="ngpt"))
     assert all(isinstance(n, SphereNorm) for b in ngpt.layers for n in b.norms.values())
-    assert isinstance(ngpt.embed_norm, SphereNorm)
     assert not [name for name, _ in ngpt.named_parameters() if "norms" in name]
 
 
@@ -261,9 +284,18 @@ def test_dyt_and_ngpt_initial_values():
     dyt = TinyLM(cfg).layers[0].norms["attn_in"]
     assert dyt.alpha.shape == () and dyt.alpha.item() == pytest.approx(0.7)
     assert torch.equal(dyt.weight, torch.ones(32)) and torch.equal(dyt.bias, torch.zeros(32))
-    block = TinyLM(TinyLMConfig.from_size("test", placement="ngpt", ngpt_alpha=0.1)).layers[1]
-    for f in ("attn", "mlp"):
-        assert torch.allclose(block.rates[f], torch.full((32,), 0.1))
+    model = TinyLM(TinyLMConfig.from_size("test", placement="ngpt", ngpt_alpha=0.1))
+    block, base_scale = model.layers[1], 32 ** -0.5
+    # the paper's (init, scale) of each vector: α_A, α_M (ngpt_alpha, 1/√d), s_qk (1, 1/√d),
+    # s_u, s_v (1, 1), s_z (1, 1/√d); the stored parameter starts at the scale
+    vectors = [(block.rates["attn"], 0.1, base_scale), (block.rates["mlp"], 0.1, base_scale),
+               (block.self_attn.s_qk, 1.0, base_scale), (block.mlp.s_u, 1.0, 1.0),
+               (block.mlp.s_v, 1.0, 1.0), (model.s_z, 1.0, base_scale)]
+    for vector, init, scale in vectors:
+        assert torch.allclose(vector.weight, torch.full_like(vector.weight, scale))
+        assert torch.allclose(vector(), torch.full_like(vector.weight, init))
+    admin = TinyLM(TinyLMConfig.from_size("test", placement="admin")).layers[0]
+    assert all(torch.equal(w, torch.ones(32)) for w in admin.omegas.values())  # before profiling
 
 
 def test_init_is_gpt2_like():
@@ -340,6 +372,7 @@ def test_triton_backend_gives_the_same_forward_and_gradients(placement, qk_norm,
     (dict(placement="mix_ln", post_ln_fraction=1.5), "post_ln_fraction"),
     (dict(norm="dyt", dyt_alpha=0.0), "positive"),
     (dict(placement="ngpt", norm="layer"), "ngpt"),
+    (dict(placement="ngpt", qk_norm="per_head"), "ngpt"),
 ])
 def test_config_rejects_bad_values(bad, match):
     with pytest.raises(ValueError, match=match):
@@ -350,3 +383,77 @@ def test_forward_rejects_too_long_input():
     model = TinyLM(TinyLMConfig.from_size("test", backend="torch"))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long))
+
+
+def test_admin_profiling_sets_omega_from_the_variances_by_hand():
+    """Admin's profiling pass (Liu et al. 2020; the authors' Transformer-Clinic code): ω_1 = 1,
+    then sublayer after sublayer ω_{i+1} = sqrt(Var[ω_i ⊙ x_{i−1}] + Var[f_i(x_{i−1})]),
+    variances over all elements of the batch. Recomputed here in float64 from the equations."""
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig.from_size("test", placement="admin", depth=3, backend="torch"))
+    ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(4))
+    report = model.initialize_from_data(ids)
+    cfg = model.config
+
+    def var(t):
+        return ((t - t.mean()) ** 2).mean().item()
+
+    ratio, want_omega, want_var = 1.0, [], []
+    x = d64(model.embed(ids))
+    for block in model.layers:
+        for f, fn in (("attn", lambda v: hand_attention(block.self_attn, v, cfg)),
+                      ("mlp", lambda v: hand_mlp(block.mlp, v))):
+            h = torch.stack([fn(seq) for seq in x])
+            want_omega.append(ratio)
+            want_var.append(var(h))
+            ratio = math.sqrt(var(ratio * x) + var(h))
+            x = hand_norm(block.norms[f"{f}_res"], want_omega[-1] * x + h, cfg.eps)
+    assert [r["omega"] for r in report] == pytest.approx(want_omega, rel=1e-5)
+    assert [r["sublayer_variance"] for r in report] == pytest.approx(want_var, rel=1e-4)
+    for i, block in enumerate(model.layers):   # every ω is filled with its sublayer's value
+        for j, f in enumerate(("attn", "mlp")):
+            assert torch.allclose(d64(block.omegas[f]), torch.full((32,), want_omega[2 * i + j],
+                                                                   dtype=torch.float64))
+    assert want_omega[1] != pytest.approx(1.0)    # the pass changed something
+    assert TinyLM(TinyLMConfig.from_size("test")).initialize_from_data(ids) is None
+
+
+def test_ngpt_weights_are_on_the_sphere_at_init_and_after_a_training_step():
+    """Every nGPT matrix has unit norm along its embedding dimension (embedding and output
+    head rows, q/k/v/gate/up input rows, o/down output columns), at initialization and again
+    after an optimizer step of normtools.lab.train.train, which moves them off it."""
+    from normtools.lab.data import TextData
+    from normtools.lab.train import train
+
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig.from_size("test", placement="ngpt", backend="torch"))
+    width = model.config.width
+
+    def norms_along_embedding(m):
+        out = {}
+        for name, module in m.named_modules():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf in ("embed", "lm_head", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj",
+                        "o_proj", "down_proj"):
+                w = d64(module.weight)
+                dim = [i for i, n in enumerate(w.shape) if n == width]
+                dim = dim[-1] if leaf not in ("o_proj", "down_proj") else 0
+                out[name] = torch.linalg.vector_norm(w, dim=dim)
+        return out
+
+    assert len(norms_along_embedding(model)) == 2 + 7 * model.config.depth
+    for name, n in norms_along_embedding(model).items():
+        torch.testing.assert_close(n, torch.ones_like(n), msg=name)
+    data = TextData(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(0)),
+                    torch.randint(0, 256, (512,), generator=torch.Generator().manual_seed(1)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    train(model, data, steps=2, lr=1e-2, batch_size=2, eval_batches=0, quiet=True)
+    assert not torch.equal(before["layers.0.self_attn.q_proj.weight"],
+                           model.layers[0].self_attn.q_proj.weight)
+    for name, n in norms_along_embedding(model).items():
+        torch.testing.assert_close(n, torch.ones_like(n), msg=name)
+    # a plain AdamW step, without the renormalization, leaves them off the sphere
+    model.after_optimizer_step = lambda: None
+    train(model, data, steps=1, lr=1e-2, batch_size=2, eval_batches=0, quiet=True)
+    off = norms_along_embedding(model)["layers.0.self_attn.q_proj"]
+    assert (off - 1).abs().max() > 1e-4

@@ -13,6 +13,7 @@ import torch
 import normtools
 from normtools.lab import related
 from normtools.lab.data import load_corpus
+from normtools.lab.probes import depth_profile
 from normtools.lab.tinylm import DyT, TinyLM, TinyLMConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -20,9 +21,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_every_design_builds_the_model_it_names():
     expected = {"Pre-LN": ("pre", "rms"), "Post-LN": ("post", "rms"), "DeepNorm": ("deepnorm", "rms"),
-                "Mix-LN": ("mix_ln", "rms"), "LayerNorm Scaling": ("lns", "rms"),
-                "Peri-LN (sandwich)": ("sandwich", "rms"), "res-post-norm": ("post_sublayer", "rms"),
-                "nGPT (simplified)": ("ngpt", "rms"), "DyT (Pre-LN)": ("pre", "dyt")}
+                "Admin": ("admin", "rms"), "Mix-LN": ("mix_ln", "rms"),
+                "LayerNorm Scaling": ("lns", "rms"), "Peri-LN (sandwich)": ("sandwich", "rms"),
+                "res-post-norm": ("post_sublayer", "rms"), "nGPT": ("ngpt", "rms"),
+                "DyT (Pre-LN)": ("pre", "dyt")}
     assert set(related.DESIGNS) == set(expected)
     for name, fields in related.DESIGNS.items():
         model = TinyLM(TinyLMConfig.from_size("test", **fields))
@@ -56,6 +58,24 @@ def test_depth_profiles_one_row_per_design_seed_and_layer():
     mine = df[(df["design"] == "Post-LN") & (df["seed"] == 1)].reset_index(drop=True)
     np.testing.assert_allclose(again["residual_rms"], mine["residual_rms"], rtol=1e-6)
     assert not np.allclose(df.loc[df["seed"] == 0, "residual_rms"], df.loc[df["seed"] == 1, "residual_rms"])
+
+
+def test_admin_is_profiled_before_the_depth_probe_and_the_training():
+    """Both measurements run Admin's profiling pass first. Before it, an Admin model is Post-LN
+    exactly (ω = 1, same initialization), so equal numbers would mean it did not run."""
+    from normtools.lab.experiments import run_cell
+
+    config = TinyLMConfig.from_size("test", depth=2, backend="torch")
+    batch = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    admin = related.depth_profiles(["Admin"], batch, [0], config)
+    plain = related.depth_profiles(["Post-LN"], batch, [0], config)
+    assert not np.allclose(admin["residual_rms"], plain["residual_rms"], rtol=1e-3)
+    torch.manual_seed(0)
+    unprofiled = depth_profile(TinyLM(config.replace(placement="admin")), batch)
+    np.testing.assert_allclose(unprofiled["residual_rms"], plain["residual_rms"], rtol=1e-5)
+    runs = {p: run_cell({"placement": p, "lr": 1e-3}, load_corpus(), config, steps=2, batch_size=2,
+                        eval_batches=0).records for p in ("admin", "post")}
+    assert not np.allclose(runs["admin"]["loss"], runs["post"]["loss"], rtol=1e-4)
 
 
 def test_seed_spread_and_versus():

@@ -193,6 +193,9 @@ def run_cell(cell: dict, data, base_config: TinyLMConfig, *, steps: int, batch_s
     config = base_config.replace(**{k: v for k, v in cell.items() if k in _CONFIG_FIELDS})
     torch.manual_seed(seed)
     model = TinyLM(config).to(device)
+    # Admin's profiling pass, on the run's first training batch (the data order follows the seed)
+    model.initialize_from_data(split_batch(data.get_batch(
+        "train", batch_size, config.max_seq_len, torch.Generator().manual_seed(seed), device))[0])
     probe = data.get_batch("val", probe_batch_size, config.max_seq_len,
                            torch.Generator().manual_seed(seed), device)
     logits_init = attention_logits(model, probe)

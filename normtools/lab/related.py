@@ -37,11 +37,12 @@ DESIGNS = {
     "Pre-LN": dict(placement="pre"),
     "Post-LN": dict(placement="post"),
     "DeepNorm": dict(placement="deepnorm"),
+    "Admin": dict(placement="admin"),
     "Mix-LN": dict(placement="mix_ln"),
     "LayerNorm Scaling": dict(placement="lns"),
     "Peri-LN (sandwich)": dict(placement="sandwich"),
     "res-post-norm": dict(placement="post_sublayer"),
-    "nGPT (simplified)": dict(placement="ngpt"),
+    "nGPT": dict(placement="ngpt"),
     "DyT (Pre-LN)": dict(placement="pre", norm="dyt"),
 }
 
@@ -60,8 +61,8 @@ RELATED_SIZES = {
                 model=dict(width=512, depth=12, heads=8, max_seq_len=256), steps=1000, batch_size=32,
                 lrs=(3e-3, 1e-2)),
 }
-TRAINED_DESIGNS = ("Pre-LN", "Post-LN", "DeepNorm", "Mix-LN", "LayerNorm Scaling",
-                   "nGPT (simplified)", "DyT (Pre-LN)")
+TRAINED_DESIGNS = ("Pre-LN", "Post-LN", "DeepNorm", "Admin", "Mix-LN", "LayerNorm Scaling",
+                   "nGPT", "DyT (Pre-LN)")
 
 
 def _designs(names):
@@ -73,7 +74,8 @@ def _designs(names):
 
 def depth_profiles(names, batch, seeds, base_config: TinyLMConfig) -> "pandas.DataFrame":
     """:func:`normtools.lab.probes.depth_profile` of a TinyLM (``base_config`` with the design's
-    fields, initialized after ``torch.manual_seed(seed)``, on the batch's device) per design and
+    fields, initialized after ``torch.manual_seed(seed)``, on the batch's device; Admin's
+    profiling pass, :meth:`TinyLM.initialize_from_data`, on the same batch) per design and
     seed, on ``batch``; one row per (design, seed, layer)."""
     import pandas as pd
 
@@ -83,7 +85,9 @@ def depth_profiles(names, batch, seeds, base_config: TinyLMConfig) -> "pandas.Da
     for name, fields in designs.items():
         for seed in seeds:
             torch.manual_seed(seed)
-            df = depth_profile(TinyLM(base_config.replace(**fields)).to(device), batch)
+            model = TinyLM(base_config.replace(**fields)).to(device)
+            model.initialize_from_data(split_batch(batch)[0])
+            df = depth_profile(model, batch)
             df.insert(0, "seed", seed)
             df.insert(0, "design", name)
             frames.append(df)

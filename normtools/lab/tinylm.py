@@ -10,21 +10,43 @@ norm, RMSNorm or LayerNorm; every N is a separate module with its own weight):
     parallel       x = x + Attn(N(x)) + MLP(N(x)), one shared N           (GPT-J, Cohere, Phi)
     none           x = x + Attn(x);           x = x + MLP(x)
 
-The designs of chapter 7 ("Related") add four placements (:data:`RELATED_PLACEMENTS`) and one
+The designs of chapter 7 ("Related") add five placements (:data:`RELATED_PLACEMENTS`) and one
 norm kind:
 
     deepnorm  x = N(α·x + Attn(x));  x = N(α·x + MLP(x))                  (DeepNet, GLM-130B)
+    admin     x = N(ω_attn ⊙ x + Attn(x));  x = N(ω_mlp ⊙ x + MLP(x))      (Admin)
     mix_ln    post in the first ⌊post_ln_fraction · depth⌋ layers, pre in the others  (Mix-LN)
     lns       x = x + Attn(N(x)/√ℓ);  x = x + MLP(N(x)/√ℓ)     (LayerNorm Scaling, ℓ = 1..depth)
-    ngpt      x = S(x + a_attn ⊙ (S(Attn(x)) − x));  the same for the MLP   (nGPT, simplified)
+    ngpt      x = S(x + α_A ⊙ (S(Attn(x)) − x));  x = S(x + α_M ⊙ (S(MLP(x)) − x))   (nGPT)
 
 * DeepNorm (Wang et al. 2022, decoder-only constants): α = (2·depth)^(1/4), and the init std of
   ``v_proj``, ``o_proj`` and the MLP's three projections is multiplied by β = (8·depth)^(−1/4).
-* nGPT (Loshchilov et al. 2025): S(v) = √width · v / ‖v‖, the row put on the sphere of radius
-  √width (RMS 1), a weightless RMSNorm; it is applied to the embedding output too, and a_attn,
-  a_mlp are learned per-feature step sizes (init ``ngpt_alpha``); no final norm. Simplified: the
-  weight matrices are not renormalized after each optimizer step, there are no s_qk, s_u, s_v,
-  s_z scalings, and q, k are normalized only by the ``qk_norm`` option.
+* Admin (Liu et al. 2020, "Understanding the Difficulty of Training Transformers"): Post-LN
+  with a learned per-feature residual weight ω_i for every sublayer i (attention and MLP of
+  each layer, in order), set by one profiling forward pass at initialization
+  (:meth:`TinyLM.initialize_from_data`), as the authors' code (Transformer-Clinic,
+  ``adaptive-profiling``) does it: ω_1 = 1 and, sublayer after sublayer,
+
+      ω_{i+1} = sqrt(Var[ω_i ⊙ x_{i−1}] + Var[f_i(x_{i−1})])    (variances over all elements)
+
+  with the ω already set (each x_{i−1} = N(…) of unit variance for i > 1, so ω_i² =
+  Var[x_0] + Σ_{1≤j<i} Var[f_j(x_{j−1})]: the paper's ω_i = sqrt(Σ_{j<i} Var[f_j]) with the
+  input as the term j = 0). Before that pass ω = 1 (plain Post-LN).
+* nGPT (Loshchilov et al. 2025, "nGPT: Normalized Transformer with Representation Learning on
+  the Hypersphere"): S(v) = v / ‖v‖ over the embedding dimension. Every hidden state is on the
+  unit sphere; so is every row of the embedding, of the output head and of every matrix along
+  its embedding dimension (q/k/v/gate/up: the input rows; o/down: the output columns), put
+  there at initialization and after every optimizer step (:meth:`TinyLM.normalize_weights`,
+  which :func:`normtools.lab.train.train` calls after each step). Attention: q and k are
+  normalized per head after RoPE and scaled by s_qk, and the softmax scale is √d_k (not
+  1/√d_k). MLP: u = s_u ⊙ up(h), ν = s_v ⊙ gate(h) · √width, out = down(u ⊙ silu(ν)). Logits:
+  s_z ⊙ (h · E_outᵀ). No final norm and no norm weights. The learned vectors use the paper's
+  parameterization (a stored p = s_scale · s/s_init, read as s = p · s_init/s_scale):
+  α_A, α_M (init 0.05 = ``ngpt_alpha``, scale 1/√width), s_qk (init 1, scale 1/√width), s_u,
+  s_v (init 1, scale 1), s_z (init 1, scale 1/√width). Left out: the paper trains without
+  weight decay and warm-up; TinyLM trains every design with the same loop (AdamW with weight
+  decay 0.1 on matrices, 10 % warm-up), and its eigen learning rates are not passed through
+  |·| (the authors' code takes their absolute value).
 * ``norm="dyt"``: Dynamic Tanh (Zhu et al. 2025), DyT(x) = w ⊙ tanh(α·x) + b with α one learned
   scalar (init ``dyt_alpha``), in place of every block norm and the final norm (QK-Norm stays
   an RMSNorm).
@@ -68,9 +90,9 @@ from normtools.core import _validate
 
 PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
 #: The placements of chapter 7 ("Related"); ``mix_ln`` mixes two of the above across layers.
-RELATED_PLACEMENTS = ("deepnorm", "mix_ln", "lns", "ngpt")
+RELATED_PLACEMENTS = ("deepnorm", "admin", "mix_ln", "lns", "ngpt")
 #: What one block can be (``mix_ln`` is not one: each of its layers is ``post`` or ``pre``).
-BLOCK_PLACEMENTS = PLACEMENT_NAMES + ("deepnorm", "lns", "ngpt")
+BLOCK_PLACEMENTS = PLACEMENT_NAMES + ("deepnorm", "admin", "lns", "ngpt")
 NORM_NAMES = ("rms", "layer", "dyt")
 QK_NORM_SCOPES = ("none", "per_head", "per_layer")
 
@@ -105,7 +127,7 @@ class TinyLMConfig:
     attn_softcap: float | None = None  # c: softmax of c·tanh(s/c) (Gemma 2: 50); None: no cap
     post_ln_fraction: float = 0.25    # mix_ln: the first ⌊fraction · depth⌋ layers are post
     dyt_alpha: float = 0.5            # norm="dyt": initial α of tanh(α·x)
-    ngpt_alpha: float = 0.05          # ngpt: initial step sizes a_attn, a_mlp
+    ngpt_alpha: float = 0.05          # ngpt: initial eigen learning rates α_A, α_M
 
     def __post_init__(self):
         _check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
@@ -125,6 +147,8 @@ class TinyLMConfig:
             raise ValueError("dyt_alpha and ngpt_alpha must be positive")
         if self.placement == "ngpt" and self.norm != "rms":
             raise ValueError(f"ngpt's norms are its own (SphereNorm); norm must stay 'rms', got {self.norm!r}")
+        if self.placement == "ngpt" and self.qk_norm != "none":
+            raise ValueError(f"ngpt normalizes q and k itself; qk_norm must stay 'none', got {self.qk_norm!r}")
         _validate.check_eps(self.eps)
         _validate.check_backend(self.backend)
         if self.attn_softcap is not None and not self.attn_softcap > 0:
@@ -195,7 +219,8 @@ def block_program(placement: str, x, ops):
     ``ops.assign(v)``       the new value of the residual stream x
     ``ops.scale(c, v)``     v times the block's constant ``c``: "alpha" (DeepNorm's α) or
                             "depth" (LayerNorm Scaling's 1/√ℓ)
-    ``ops.step(f, x, h)``   x + a_f ⊙ (h − x), nGPT's step towards h with learned a_f
+    ``ops.step(f, x, h)``   x + α_f ⊙ (h − x), nGPT's step towards h with learned α_f
+    ``ops.weigh(f, v)``     ω_f ⊙ v, Admin's learned residual weight of sublayer f
 
     Norm names: ``attn_in``/``mlp_in`` normalize a sublayer's input, ``attn_out``/``mlp_out``
     its output, ``attn_res``/``mlp_res`` the residual sum; ``in`` is the parallel block's
@@ -209,6 +234,10 @@ def block_program(placement: str, x, ops):
         if placement == "ngpt":
             h = ops.norm(f"{f}_out", ops.sublayer(f, x))
             x = ops.assign(ops.norm(f"{f}_res", ops.step(f, x, h)))
+            continue
+        if placement == "admin":
+            h = ops.sublayer(f, x)
+            x = ops.assign(ops.norm(f"{f}_res", ops.add(ops.weigh(f, x), h)))
             continue
         h = ops.norm(f"{f}_in", x) if placement in ("pre", "sandwich", "lns") else x
         if placement == "lns":
@@ -256,8 +285,13 @@ class _EquationOps:
 
     def step(self, f, x, h):
         if self.fmt == "latex":
-            return rf"{x} + a_{{\mathrm{{{f}}}}} \odot \left({h} - {x}\right)"
-        return f"{x} + a_{f} ⊙ ({h} − {x})"
+            return rf"{x} + \alpha_{{\mathrm{{{f}}}}} \odot \left({h} - {x}\right)"
+        return f"{x} + α_{f} ⊙ ({h} − {x})"
+
+    def weigh(self, f, v):
+        if self.fmt == "latex":
+            return rf"\omega_{{\mathrm{{{f}}}}} \odot {v}"
+        return f"ω_{f} ⊙ {v}"
 
 
 def _program_lines(placement: str, fmt: str) -> list[str]:
@@ -315,17 +349,32 @@ class DyT(nn.Module):
 
 
 class SphereNorm(nn.Module):
-    """nGPT's normalization, S(v) = √d · v / ‖v‖ over the last dim (d features): the row on the
-    sphere of radius √d, i.e. an RMSNorm without weight, v · rsqrt(mean(v²) + eps). eps is
-    tiny (nGPT divides by ‖v‖ alone): an eps near mean(v²) would leave small rows off the
-    sphere, and a sublayer's output at initialization has mean(v²) of order 1e-4."""
+    """nGPT's normalization, S(v) = v / ‖v‖ over the last dim (d features): the row on the unit
+    sphere, computed as a weightless RMSNorm divided by √d, v · rsqrt(mean(v²) + eps) / √d.
+    eps is tiny (nGPT divides by ‖v‖ alone): an eps near mean(v²) would leave small rows off
+    the sphere, and a unit row has mean(v²) = 1/d."""
 
     def __init__(self, eps: float = 1e-12, backend: str = "auto"):
         super().__init__()
         self.eps, self.backend = eps, backend
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, None, self.eps, backend=self.backend)
+        return rms_norm(x, None, self.eps, backend=self.backend) * x.shape[-1] ** -0.5
+
+
+class ScaledVector(nn.Module):
+    """nGPT's parameterization of a learned vector s (Loshchilov et al. 2025, section 2.6):
+    stored as ``weight`` = p, initialized to ``scale``, and read as s = p · init / scale, so
+    that s starts at ``init`` and an optimizer's step on p moves s by init/scale times as much.
+    Calling the module returns s."""
+
+    def __init__(self, size: int, init: float, scale: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((size,), float(scale)))
+        self.gain = init / scale
+
+    def forward(self) -> torch.Tensor:
+        return self.weight * self.gain
 
 
 def make_norm(config: TinyLMConfig) -> nn.Module:
@@ -365,7 +414,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class CausalSelfAttention(nn.Module):
-    """softmax(mask(q kᵀ / √d)) v with RoPE, grouped-query heads and optional QK-Norm."""
+    """softmax(mask(q kᵀ / √d)) v with RoPE, grouped-query heads and optional QK-Norm.
+
+    In an ``ngpt`` model: q ← s_qk ⊙ S(RoPE(q)) and k ← s_qk ⊙ S(RoPE(k)) per head (S: unit
+    norm over head_dim; s_qk one learned vector of width features, seen as (heads, head_dim))
+    and the logits are q kᵀ · √d (nGPT's softmax scale)."""
 
     def __init__(self, config: TinyLMConfig):
         super().__init__()
@@ -375,6 +428,9 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(config.width, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, config.width, bias=False)
         self.softcap = config.attn_softcap
+        self.ngpt = config.placement == "ngpt"
+        if self.ngpt:
+            self.s_qk = ScaledVector(self.heads * self.head_dim, 1.0, config.width ** -0.5)
         self.qk_norm = None
         if config.qk_norm != "none":
             self.qk_norm = QKNorm(self.head_dim, self.heads, self.kv_heads, scope=config.qk_norm,
@@ -398,7 +454,12 @@ class CausalSelfAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = self.heads // self.kv_heads                            # query heads per kv head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        if self.ngpt:
+            s_qk = self.s_qk().view(self.heads, 1, self.head_dim)       # (H, 1, d)
+            q, k = s_qk * F.normalize(q, dim=-1), s_qk * F.normalize(k, dim=-1)
+            logits = (q @ k.transpose(-2, -1)) * math.sqrt(self.head_dim)
+        else:
+            logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
         if self.keep_logits:
             self.logits = logits.detach()
         if self.softcap is not None:
@@ -409,16 +470,25 @@ class CausalSelfAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate(x)) ⊙ up(x))."""
+    """down(silu(gate(x)) ⊙ up(x)); in an ``ngpt`` model down(silu(ν) ⊙ u) with
+    u = s_u ⊙ up(x) and ν = s_v ⊙ gate(x) · √width (nGPT's scalings)."""
 
     def __init__(self, config: TinyLMConfig):
         super().__init__()
         self.gate_proj = nn.Linear(config.width, config.hidden, bias=False)
         self.up_proj = nn.Linear(config.width, config.hidden, bias=False)
         self.down_proj = nn.Linear(config.hidden, config.width, bias=False)
+        self.ngpt = config.placement == "ngpt"
+        if self.ngpt:
+            self.s_u = ScaledVector(config.hidden, 1.0, 1.0)
+            self.s_v = ScaledVector(config.hidden, 1.0, 1.0)
+            self.sqrt_width = math.sqrt(config.width)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if self.ngpt:
+            gate, up = self.s_v() * gate * self.sqrt_width, self.s_u() * up
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -426,7 +496,9 @@ class Block(nn.Module):
 
     ``layer`` (0-based) sets the placement of a ``mix_ln`` layer and LayerNorm Scaling's
     ``scales["depth"]`` = 1/√(layer + 1); ``scales["alpha"]`` is DeepNorm's α; an ``ngpt``
-    block has its step sizes in ``rates`` ("attn", "mlp")."""
+    block has its eigen learning rates α_A, α_M in ``rates`` ("attn", "mlp", each a
+    :class:`ScaledVector`); an ``admin`` block its residual weights ω in ``omegas`` ("attn",
+    "mlp", 1 until :meth:`TinyLM.initialize_from_data` profiles them)."""
 
     def __init__(self, config: TinyLMConfig, layer: int = 0):
         super().__init__()
@@ -435,10 +507,14 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
         self.norms = nn.ModuleDict({name: make_norm(config) for name in norm_names(self.placement)})
         self.scales = {"alpha": deepnorm_constants(config.depth)[0], "depth": 1 / math.sqrt(layer + 1)}
-        self.rates = nn.ParameterDict()
+        self.rates = nn.ModuleDict()
         if self.placement == "ngpt":
-            self.rates.update({f: nn.Parameter(torch.full((config.width,), config.ngpt_alpha))
+            self.rates.update({f: ScaledVector(config.width, config.ngpt_alpha, config.width ** -0.5)
                                for f in ("attn", "mlp")})
+        self.omegas = nn.ParameterDict()
+        if self.placement == "admin":
+            self.omegas.update({f: nn.Parameter(torch.ones(config.width)) for f in ("attn", "mlp")})
+        self.admin_profile: dict | None = None  # set by TinyLM.initialize_from_data while it runs
 
     def norm(self, name, v):
         return self.norms[name](v)
@@ -447,6 +523,10 @@ class Block(nn.Module):
         return self.self_attn(v) if f == "attn" else self.mlp(v)
 
     def add(self, *terms):
+        if self.admin_profile is not None:  # Admin's profiling: ω⊙x and f(x) are the terms
+            var = [t.detach().double().var(unbiased=False).item() for t in terms]
+            self.admin_profile["sublayer_variance"].append(var[1])
+            self.admin_profile["ratio"] = math.sqrt(sum(var))
         return sum(terms[1:], terms[0])
 
     def assign(self, v):
@@ -456,7 +536,14 @@ class Block(nn.Module):
         return self.scales[c] * v
 
     def step(self, f, x, h):
-        return x + self.rates[f] * (h - x)
+        return x + self.rates[f]() * (h - x)
+
+    def weigh(self, f, v):
+        if self.admin_profile is not None:  # ω_i: the ratio the sublayers before it left
+            with torch.no_grad():
+                self.omegas[f].fill_(self.admin_profile["ratio"])
+            self.admin_profile["omega"].append(self.admin_profile["ratio"])
+        return self.omegas[f] * v
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return block_program(self.placement, x, self)
@@ -474,11 +561,11 @@ class TinyLM(nn.Module):
         config = (config or TinyLMConfig()).replace(**overrides)
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.width)
-        # nGPT puts the embedding output on the sphere too; every other placement leaves it
-        self.embed_norm = SphereNorm(backend=config.backend) if config.placement == "ngpt" else nn.Identity()
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.depth))
         self.final_norm = make_norm(config) if config.has_final_norm else nn.Identity()
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
+        if config.placement == "ngpt":  # nGPT's logit scaling s_z
+            self.s_z = ScaledVector(config.vocab_size, 1.0, config.width ** -0.5)
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -492,6 +579,49 @@ class TinyLM(nn.Module):
                 is_residual = name.endswith(("o_proj", "down_proj"))
                 gain = beta if name.endswith(("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) else 1.0
                 nn.init.normal_(module.weight, mean=0.0, std=gain * (residual_std if is_residual else std))
+        self.normalize_weights()
+
+    #: nGPT: the dim of each matrix that is its embedding dimension (the one normalized).
+    NGPT_EMBEDDING_DIM = {"embed": 1, "lm_head": 1, "q_proj": 1, "k_proj": 1, "v_proj": 1,
+                          "gate_proj": 1, "up_proj": 1, "o_proj": 0, "down_proj": 0}
+
+    @torch.no_grad()
+    def normalize_weights(self) -> None:
+        """nGPT: put every matrix back on the unit sphere along its embedding dimension
+        (:data:`NGPT_EMBEDDING_DIM`: the rows of the embedding and of the output head, the
+        input rows of q/k/v/gate/up, the output columns of o/down). Nothing for other
+        placements. :func:`normtools.lab.train.train` calls it after every optimizer step."""
+        if self.config.placement != "ngpt":
+            return
+        for name, module in self.named_modules():
+            dim = self.NGPT_EMBEDDING_DIM.get(name.rsplit(".", 1)[-1])
+            if dim is not None:
+                module.weight.copy_(F.normalize(module.weight, dim=dim))
+
+    @torch.no_grad()
+    def initialize_from_data(self, idx: torch.Tensor) -> "list[dict] | None":
+        """The data-dependent part of the initialization: Admin's profiling pass. For an
+        ``admin`` model, one forward pass on the token ids ``idx`` (B, T) that sets each
+        sublayer's ω in order (ω_1 = 1, ω_{i+1} = sqrt(Var[ω_i ⊙ x_{i−1}] + Var[f_i(x_{i−1})]),
+        module docs) and returns one dict per sublayer (layer, sublayer, omega,
+        sublayer_variance); for any other placement it does nothing and returns None."""
+        if self.config.placement != "admin":
+            return None
+        profile = {"ratio": 1.0, "omega": [], "sublayer_variance": []}
+        for block in self.layers:
+            block.admin_profile = profile
+        try:
+            self(idx)
+        finally:
+            for block in self.layers:
+                block.admin_profile = None
+        return [{"layer": i // 2, "sublayer": ("attn", "mlp")[i % 2], "omega": w, "sublayer_variance": v}
+                for i, (w, v) in enumerate(zip(profile["omega"], profile["sublayer_variance"]))]
+
+    def after_optimizer_step(self) -> None:
+        """What :func:`normtools.lab.train.train` runs after every optimizer step: nGPT's
+        :meth:`normalize_weights` (nothing for other placements)."""
+        self.normalize_weights()
 
     def block_equation(self, fmt: str = "text") -> str:
         """The equation of one block, as :func:`block_equation` prints it for this config."""
@@ -503,10 +633,12 @@ class TinyLM(nn.Module):
             raise ValueError(f"idx must have shape (batch, seq), got {tuple(idx.shape)}")
         if idx.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {idx.shape[1]} exceeds max_seq_len {self.config.max_seq_len}")
-        x = self.embed_norm(self.embed(idx))
+        x = self.embed(idx)
         for block in self.layers:
             x = block(x)
         logits = self.lm_head(self.final_norm(x))
+        if self.config.placement == "ngpt":
+            logits = self.s_z() * logits
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
