@@ -552,3 +552,37 @@ def test_targets_report_keeps_warm_and_rotated_decode_apart():
     assert report["M=64 N=4096, decode, rotated"]["passed"] is True
     # no bandwidth target on a launch-bound real shape
     assert all(r["target"].startswith("speedup") for r in report.values())
+
+
+def test_two_processes_time_each_case_at_once():
+    """processes=2: a peer process times the same case over the same window; the row records
+    both p50s, their aggregate bandwidth and how much the two timing windows overlapped."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)   # one thread per process (the peer takes the sweep's count)
+    plan = [bench_cases.Case("real shapes", "rms_norm", {"M": 64, "N": 1024}, cache="warm",
+                             regime="decode", batch=64, tokens_per_sequence=1),
+            bench_cases.Case("sweep", "qk_norm_per_head", {"T": 16, "Hq": 8, "Hk": 2, "D": 64},
+                             cache="warm")]
+    try:
+        data = bench.run_sweep("cpu", torch.float32, cases=plan, warmup=5, reps=200,
+                               quick=True, backends=["normtools-torch", "torch-F"],
+                               processes=2, log=lambda msg: None)
+    finally:
+        torch.set_num_threads(threads)
+    c = data["conditions"]
+    assert c["processes"] == 2 and c["concurrency"].startswith("2 processes at once")
+    rows = data["results"]
+    assert len(rows) == 4 and len({tuple(r) for r in rows}) == 1
+    for r in rows:
+        assert r["status"] == "ok", r
+        assert r["processes"] == 2 and len(r["peer_p50_us"]) == 1 and r["peer_p50_us"][0] > 0
+        assert r["aggregate_gbs_p50"] == pytest.approx(
+            r["bytes"] / (r["p50_us"] * 1e3) + r["bytes"] / (r["peer_p50_us"][0] * 1e3))
+    # the barrier starts both timings together: the windows overlap for most of the case
+    assert max(r["overlap"] for r in rows) > 0.5, [r["overlap"] for r in rows]
+    # one process: no peers, the aggregate is the process's own bandwidth
+    single = bench.run_sweep("cpu", torch.float32, cases=plan[:1], warmup=1, reps=3,
+                             quick=True, backends=["torch-F"], log=lambda msg: None)
+    (row,) = single["results"]
+    assert single["conditions"]["processes"] == 1 and row["processes"] == 1
+    assert row["peer_p50_us"] is None and row["aggregate_gbs_p50"] == row["gbs_p50"]

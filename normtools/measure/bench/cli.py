@@ -51,6 +51,9 @@ def _add_arguments(parser):
                              "cross-check) or wall (CPU)")
     parser.add_argument("--threads", type=int,
                         help="torch intra-op threads for the run (recorded in the conditions)")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="time each case in this many processes at once (concurrency; "
+                             "recorded in the conditions and rows, default 1)")
     parser.add_argument("--budget-s", type=float,
                         help="start no new case after this many seconds")
     parser.add_argument("--out", help="write the results JSON here")
@@ -114,7 +117,8 @@ def run_cli(args):
                 if args.cases == "gpu-run" else None
             data = run_sweep(device, dtype, ops=args.ops, backends=args.backends, cases=cases,
                              warmup=args.warmup, reps=args.reps, quick=args.quick,
-                             timer=args.timer, budget_s=args.budget_s, out_path=args.out)
+                             timer=args.timer, budget_s=args.budget_s, out_path=args.out,
+                             processes=args.processes)
         except ValueError as exc:  # options that do not fit together
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -9,6 +9,7 @@ import torch
 from normtools.measure import sysinfo
 from normtools.measure.bench.backends import Unavailable, backend_fn, default_backends
 from normtools.measure.bench.cases import Case, estimate_seconds
+from normtools.measure.bench.peers import Peers
 from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS, default_shapes, make_inputs, shape_label
 from normtools.measure.bench.results import _write_json
 from normtools.measure.bench.timing import (_DEFAULT_REPS, _QUICK_REPS, TIMERS, _cache_bytes, _max_abs_diff,
@@ -26,30 +27,36 @@ def _skip_or_error(backend, exc):
 
 
 _MEASURED = ("p50_us", "p95_us", "p99_us", "mean_us", "min_us", "gbs_p50", "pct_of_copy_bw",
-             "n_buffer_sets", "calls_per_sample", "max_abs_diff", "first_call_s")
+             "n_buffer_sets", "calls_per_sample", "max_abs_diff", "first_call_s",
+             "peer_p50_us", "aggregate_gbs_p50", "overlap")
 _CASE_KEYS = tuple(Case("sweep", "rms_norm", {}).conditions())
 
 
-def _row(op, backend, shape, dtype, status="ok", reason="", case=None):
+def _row(op, backend, shape, dtype, status="ok", reason="", case=None, processes=1):
     """A result row; the measured fields stay None unless the case runs. ``case`` (a
-    ``cases.Case``) adds its conditions: phase, cache, regime, models, batch, tokens."""
+    ``cases.Case``) adds its conditions: phase, cache, regime, models, batch, tokens;
+    ``processes`` is how many processes time the case at once (``peers``)."""
     conditions = case.conditions() if case is not None else dict.fromkeys(_CASE_KEYS)
     return {"op": op, "backend": backend, "dtype": str(dtype).removeprefix("torch."),
             "shape": dict(shape), "bytes": bytes_moved(op, shape, dtype), "status": status,
-            "reason": reason, **conditions, **dict.fromkeys(_MEASURED)}
+            "reason": reason, **conditions, "processes": processes,
+            **dict.fromkeys(_MEASURED)}
 
 
 def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, check=None,
-               timer=None, case=None):
+               timer=None, case=None, peers=None):
     """Time one (op, backend, shape) over the rotated input ``sets``.
 
     Returns (row, output on ``sets[0]`` or None). ``check``: another backend's output on
     ``sets[0]``; the row then records ``max_abs_diff`` of the first output tensor against it
     (a fast but wrong kernel shows here). ``first_call_s`` is the wall time of the first call,
     measured apart from the samples: a compile (torch.compile) or JIT (Triton) at a new shape.
+    ``peers`` (``peers.Peers``): its processes time the same case at the same moment (the row
+    then has their p50s, the aggregate bandwidth and the overlap of the timing windows).
     """
     dtype = next(iter(sets[0].values())).dtype
-    row = _row(op, backend, shape, dtype, case=case)
+    row = _row(op, backend, shape, dtype, case=case,
+               processes=1 if peers is None else peers.processes)
     try:
         fn = backend_fn(op, backend, device, shape)
     except Unavailable as exc:
@@ -62,14 +69,26 @@ def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, chec
         row["first_call_s"] = time.perf_counter() - t0
         if check is not None:
             row["max_abs_diff"] = _max_abs_diff(out, check)
-        times, group = time_calls(rotating_calls(fn, sets), device, warmup, reps, timer)
+        calls = rotating_calls(fn, sets)
+        if peers is None:
+            times, group = time_calls(calls, device, warmup, reps, timer)
+            peer_times, overlap = [], None
+        else:
+            task = (op, backend, dict(shape), dtype, device,
+                    "rotated" if case is None else case.cache, warmup, reps, timer)
+            times, group, peer_times, overlap = peers.time_together(
+                task, lambda: time_calls(calls, device, warmup, reps, timer))
     except Exception as exc:  # recorded in the results; the sweep goes on
         status, reason = _skip_or_error(backend, exc)
         return {**row, "status": status, "reason": reason}, None
     stats = summarize(times)
     gbs = row["bytes"] / (stats["p50_us"] * 1e3)
+    peer_p50 = [summarize(t)["p50_us"] for t in peer_times]
     row.update(stats, gbs_p50=gbs, pct_of_copy_bw=100 * gbs / copy_gbs,
-               n_buffer_sets=len(sets), calls_per_sample=group)
+               n_buffer_sets=len(sets), calls_per_sample=group,
+               peer_p50_us=peer_p50 if peers is not None else None,
+               aggregate_gbs_p50=gbs + sum(row["bytes"] / (p * 1e3) for p in peer_p50),
+               overlap=overlap)
     return row, out
 
 
@@ -77,7 +96,7 @@ def bench_case(op, backend, shape, sets, device, *, warmup, reps, copy_gbs, chec
 
 def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shapes=None,
               cases=None, warmup=None, reps=None, timer=None, quick=False, budget_s=None,
-              out_path=None, log=None, concurrency="one process, one stream"):
+              out_path=None, log=None, processes=1):
     """Run the benchmark sweep; returns the results dict (also written to ``out_path``).
 
     ``backends``: names to run; default ``default_backends(device)`` (on CPU without
@@ -87,8 +106,9 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
     only if its estimated time (``cases.estimate_seconds`` at the copy bandwidth measured here)
     still fits in the budget, and then runs on every backend: a shape is all or nothing, so no
     ratio lacks its other side; the cases left out are recorded as skipped. ``out_path``: the
-    JSON is rewritten after every row, so an interrupted run keeps its rows. ``concurrency``:
-    recorded in the conditions (the harness runs one process on one stream).
+    JSON is rewritten after every row, so an interrupted run keeps its rows. ``processes``: K
+    processes time each case at once (``peers``: K − 1 peer processes, each on one stream, and
+    this one); K and the concurrency are recorded in the conditions and in every row.
 
     The dict: {"conditions": {run conditions, dtype, warmup, reps, rotation, timer,
     concurrency}, "copy_bandwidth_gbs": float, "copy": {...}, "results": [row, ...]}; a row has
@@ -96,7 +116,9 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
     conditions (phase, cache, regime, models, batch, tokens_per_sequence), and the measured
     fields p50_us, p95_us, p99_us, mean_us, min_us, gbs_p50, pct_of_copy_bw, n_buffer_sets,
     calls_per_sample, max_abs_diff (against the first backend that ran, normtools-torch when
-    it runs) and first_call_s, None where the case did not run.
+    it runs), first_call_s, processes, peer_p50_us, aggregate_gbs_p50 and overlap (see
+    ``peers``; one process: no peers, aggregate = gbs_p50, overlap None), None where the case
+    did not run.
     """
     device = str(device)
     kind = torch.device(device).type
@@ -136,12 +158,29 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
                               "capped by memory); per-row count in n_buffer_sets; rows with "
                               "cache 'warm' call one input set again and again",
             "timer": TIMERS[timer or ("events" if kind == "cuda" else "wall")],
-            "concurrency": concurrency,
+            "processes": processes,
+            "concurrency": ("one process, one stream" if processes == 1 else
+                            f"{processes} processes at once on each case (one stream each), "
+                            f"started together at a barrier"),
             "bytes_model": "minimum bytes: inputs read once, outputs written once "
                            "(normtools.measure.bench.bytes_moved)",
         },
         "copy_bandwidth_gbs": copy_gbs, "copy": copy_stats, "results": [],
     }
+    peers = Peers(processes - 1, cache_bytes) if processes > 1 else None
+    try:
+        _run_cases(data, estimates, order, selected, dtype, device, budget_s, cache_bytes,
+                   warmup=warmup, reps=reps, copy_gbs=copy_gbs, timer=timer, peers=peers,
+                   out_path=out_path, log=log)
+    finally:
+        if peers is not None:
+            peers.close()
+    return data
+
+
+def _run_cases(data, estimates, order, selected, dtype, device, budget_s, cache_bytes, *,
+               warmup, reps, copy_gbs, timer, peers, out_path, log):
+    """The sweep's loop: every case on every backend (or all skipped), one row each."""
     start = time.monotonic()
     for case, estimate in estimates:
         op, shape = case.op, case.shape
@@ -154,21 +193,21 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
                 reason = (f"time budget of {budget_s:.0f} s: {elapsed:.0f} s spent, this case "
                           f"needs about {estimate:.0f} s")
             if reason is not None:
-                row = _row(op, backend, shape, dtype, "skipped", reason, case=case)
+                row = _row(op, backend, shape, dtype, "skipped", reason, case=case,
+                           processes=1 if peers is None else peers.processes)
             else:
                 if sets is None:
                     sets = ([make_inputs(op, shape, dtype, device)] if case.cache == "warm"
                             else input_sets(op, shape, dtype, device, cache_bytes))
                 row, out = bench_case(op, backend, shape, sets, device, warmup=warmup,
                                       reps=reps, copy_gbs=copy_gbs, check=check, timer=timer,
-                                      case=case)
+                                      case=case, peers=peers)
                 check = out if check is None else check
             data["results"].append(row)
             log(_row_line(row))
             if out_path is not None:
                 _write_json(data, out_path)
         del sets, check
-    return data
 
 
 def _row_line(row):
