@@ -5,8 +5,8 @@ In Qwen3, Gemma 3 and OLMo 2 the rotary embedding follows QK-Norm, so the two ca
 read and one write of q and k (vLLM fuses them for inference). The norm is that of
 kernels/qk_norm.py. A *row* is what one set of statistics covers:
 
-    scope per_head : one head of one token,       N = head_dim       (HEADS_PER_ROW = 1)
-    scope per_layer: the projection of one token, N = H * head_dim   (HEADS_PER_ROW = H)
+    scope per_head : one head of one token,       N = head_dim
+    scope per_layer: the projection of one token, N = H * head_dim   (its H heads)
 
 For a row x, with D = head_dim and the two halves of each head written x = (x₁, x₂):
 
@@ -41,213 +41,360 @@ then the RMSNorm backward with g = dy * s (the roundings count as the identity):
 
 cos and sin are constants (the rotary embedding is computed without gradient).
 
-Program layout (as kernels/qk_norm.py's forward): program p of a tensor with H_rows row slots
-per token handles ROWS consecutive tokens of row slot  p % H_rows; the q programs come first.
-Each backward program stores the float32 partial dw of its tokens to its own row of
-DW_PARTIAL (length N), summed by the launcher: deterministic, no atomics.
+Program layout. The heads of a token are worked on BLOCK_H at a time, as one
+(ROWS tokens, BLOCK_H heads, BLOCK_HALF columns) tile per half of the head. A *slot* is what
+one program covers across the tokens: per_head, BLOCK_H consecutive heads (H / BLOCK_H slots
+per tensor); per_layer, the whole row (one slot, its heads in GROUPS = H / BLOCK_H tiles).
+The grid is persistent: program p of a tensor handles slot p % n_slots for the tokens
+[(p // n_slots) · tokens_per_program, +tokens_per_program), ROWS at a time; the q programs
+come first, then the k programs.
 
-Addressing. Element (token t, row slot r, head j of the row, column c) is at
-t * stride_t + (r * HEADS_PER_ROW + j) * D + c; its weight at r * w_row_stride + j * D + c
-(w_row_stride = 0 when every row shares the weight, D for one weight row per head); its cos
-and sin at t * stride_cos + c. Offsets are 64-bit.
+Traffic. When a slot is one tile (per_head always; per_layer while H · D fits one tile, which
+the launch plan decides) its weights are read once per program and every token's x, cos and
+sin once per slot: with every head of q in one tile, q, k and the tables are each read once
+per token and the outputs written once. A per_layer row longer than a tile is read twice
+(pass 1: the sum of squares over its tiles; pass 2: normalize, rotate and store tile by tile).
+The backward reads x and do once per tile in the same cases, and twice for a long per_layer
+row (pass 1: mean(g · x_hat); pass 2: dx and dw).
 
-In the forward, a per_head row is read once and a per_layer row twice (pass 1: the sum of
-squares over its heads; pass 2: normalize, rotate and store head by head); the backward reads
-every row twice (pass 1: mean(g * x_hat); pass 2: dx and dw). Under the Triton interpreter
-there is no bf16 arithmetic: values are upcast to float32 right after tl.load and cast down
-only to store or to emulate a rounding.
+Weight gradient. Each backward program accumulates dy · x_hat over its tokens in registers
+(BLOCK_H × D float32) and stores one partial once, deterministic and without atomics; the
+launcher sums the partials with kernels/partials.py. A weight shared by all heads (per_head
+(D,)): the partial of program p is DW_PARTIAL[p] (D values, summed over its heads). One
+weight row per head, or per_layer: DW_PARTIAL[g, h, c] for the program of token group g
+(D values per head h, H · D per group). A long per_layer row adds tile by tile into its
+program's own partial row instead (read, add, store), zeroed first.
+
+Addressing. Element (token t, head h, column c) is at t · stride_t + h · D + c; its weight at
+h · w_head_stride + c (w_head_stride = 0 when every head shares the weight, D otherwise); its
+cos and sin at t · stride_cos + c. Offsets are 64-bit. Under the Triton interpreter there is
+no bf16 arithmetic: values are upcast to float32 right after tl.load and cast down only to
+store or to emulate a rounding.
 """
 
 import triton
 import triton.language as tl
 
+from normtools._kernels.rms_norm import row_block
+
 
 @triton.jit
 def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
-                     n_tokens, q_slots, k_slots, n_q_programs,
+                     n_tokens, tokens_per_program, q_slots, k_slots, n_q_programs,
                      stride_q, stride_k, stride_qo, stride_ko, stride_cos, stride_sin,
-                     qw_row_stride, kw_row_stride, eps, offset,
-                     HEAD_DIM: tl.constexpr, Q_HEADS_PER_ROW: tl.constexpr,
-                     K_HEADS_PER_ROW: tl.constexpr, ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     qw_head_stride, kw_head_stride, eps, offset,
+                     HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+                     PER_LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      ROUND_XHAT: tl.constexpr, Q_NORM_DTYPE: tl.constexpr,
                      K_NORM_DTYPE: tl.constexpr, Q_ROPE_DTYPE: tl.constexpr,
                      K_ROPE_DTYPE: tl.constexpr):
     """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first; q_slots /
-    k_slots are the row slots per token (H_rows). Writes QO, KO (rows of stride stride_qo /
-    stride_ko) and the float32 inverse RMS Q_RSTD, K_RSTD laid out (H_rows, n_tokens)."""
+    k_slots slots per tensor (see the module docstring). Writes QO, KO and the float32
+    inverse RMS Q_RSTD, K_RSTD laid out (H_rows, n_tokens): H_rows = H per head, 1 per
+    layer."""
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, q_slots, stride_q,
-                        stride_qo, stride_cos, stride_sin, qw_row_stride, eps, offset,
-                        HEAD_DIM, Q_HEADS_PER_ROW, ROWS, BLOCK_HALF, ROUND_XHAT, Q_NORM_DTYPE,
-                        Q_ROPE_DTYPE)
+        _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, tokens_per_program, q_slots,
+                        stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
+                        offset, HEAD_DIM, Q_HEADS, PER_LAYER, ROWS, BLOCK_HQ, BLOCK_HALF,
+                        ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
     else:
-        _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid - n_q_programs, n_tokens, k_slots,
-                        stride_k, stride_ko, stride_cos, stride_sin, kw_row_stride, eps, offset,
-                        HEAD_DIM, K_HEADS_PER_ROW, ROWS, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE,
-                        K_ROPE_DTYPE)
+        _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid - n_q_programs, n_tokens,
+                        tokens_per_program, k_slots, stride_k, stride_ko, stride_cos,
+                        stride_sin, kw_head_stride, eps, offset, HEAD_DIM, K_HEADS, PER_LAYER,
+                        ROWS, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE)
 
 
 @triton.jit
-def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, n_slots, stride_x, stride_out,
-                    stride_cos, stride_sin, w_row_stride, eps, offset,
-                    HEAD_DIM: tl.constexpr, HEADS_PER_ROW: tl.constexpr, ROWS: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                    NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr):
-    """Normalize and rotate the rows of one program of one tensor (q or k); store o and rstd."""
+def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program, n_slots,
+                    stride_x, stride_out, stride_cos, stride_sin, w_head_stride, eps, offset,
+                    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, PER_LAYER: tl.constexpr,
+                    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    ROUND_XHAT: tl.constexpr, NORM_DTYPE: tl.constexpr,
+                    ROPE_DTYPE: tl.constexpr):
+    """Normalize and rotate the tokens of one program of one tensor (q or k); store o and
+    rstd."""
+    GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H if PER_LAYER else 1
     slot = pid % n_slots
-    tokens = ((pid // n_slots) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    token_mask = tokens < n_tokens
+    token_start = (pid // n_slots) * tokens_per_program
+    token_end = tl.minimum(token_start + tokens_per_program, n_tokens)
     half = tl.arange(0, BLOCK_HALF)
-    mask = token_mask[:, None] & (half < HEAD_DIM // 2)[None, :]
-    first_head = slot.to(tl.int64) * HEADS_PER_ROW
-    x_rows = X + tokens[:, None] * stride_x
-    out_rows = OUT + tokens[:, None] * stride_out
-    cos_rows = COS + tokens[:, None] * stride_cos
-    sin_rows = SIN + tokens[:, None] * stride_sin
-    w_row = W + slot * w_row_stride
-    if HEADS_PER_ROW == 1:
-        # per_head: the row is one head, read once
-        x1, x2 = _load_halves(x_rows + first_head * HEAD_DIM, half, mask, HEAD_DIM)
-        rstd = tl.rsqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / HEAD_DIM + eps)
-        _normalize_rotate_store(x1, x2, rstd, w_row, cos_rows, sin_rows,
-                                out_rows + first_head * HEAD_DIM, half, mask, offset, HEAD_DIM,
-                                ROUND_XHAT, X.dtype.element_ty, NORM_DTYPE, ROPE_DTYPE)
+    half_mask = half < HEAD_DIM // 2
+    X_DTYPE: tl.constexpr = X.dtype.element_ty
+    if GROUPS == 1:
+        # The slot is one tile: its weights once per program, each token's tile once.
+        heads = slot * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads < HEADS
+        s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
+                               HEAD_DIM)
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask = row_block(block_start, token_end, ROWS)
+            cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
+                                                  half_mask, stride_cos, stride_sin, HEAD_DIM)
+            x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask,
+                                      stride_x, HEAD_DIM, "evict_first")
+            sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)     # (ROWS, BLOCK_H)
+            if PER_LAYER:
+                rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / (HEADS * HEAD_DIM) + eps)
+                tl.store(RSTD + tokens, rstd, mask=token_mask)
+                rstd3 = rstd[:, None, None]
+            else:
+                rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
+                tl.store(RSTD + heads[None, :].to(tl.int64) * n_tokens + tokens[:, None], rstd,
+                         mask=token_mask[:, None] & head_mask[None, :])
+                rstd3 = rstd[:, :, None]
+            _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT,
+                                    tokens, heads, half, mask, stride_out, HEAD_DIM, ROUND_XHAT,
+                                    X_DTYPE, NORM_DTYPE, ROPE_DTYPE)
     else:
-        # per_layer: pass 1, the sum of squares over the heads of the row
-        sum_sq = tl.zeros([ROWS], dtype=tl.float32)
-        for j in range(HEADS_PER_ROW):
-            x1, x2 = _load_halves(x_rows + (first_head + j) * HEAD_DIM, half, mask, HEAD_DIM)
-            sum_sq += tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
-        rstd = tl.rsqrt(sum_sq / (HEADS_PER_ROW * HEAD_DIM) + eps)
-        # pass 2: normalize, rotate and store head by head
-        for j in range(HEADS_PER_ROW):
-            x1, x2 = _load_halves(x_rows + (first_head + j) * HEAD_DIM, half, mask, HEAD_DIM)
-            _normalize_rotate_store(x1, x2, rstd, w_row + j * HEAD_DIM, cos_rows, sin_rows,
-                                    out_rows + (first_head + j) * HEAD_DIM, half, mask, offset,
-                                    HEAD_DIM, ROUND_XHAT, X.dtype.element_ty, NORM_DTYPE,
-                                    ROPE_DTYPE)
-    tl.store(RSTD + slot.to(tl.int64) * n_tokens + tokens, rstd, mask=token_mask)
+        # A per_layer row longer than a tile: pass 1, the sum of squares over its tiles;
+        # pass 2, normalize, rotate and store tile by tile (the tiles again, their weights
+        # once per token block).
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask = row_block(block_start, token_end, ROWS)
+            sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+            for group in range(GROUPS):
+                heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+                x1, x2, mask = _load_tile(X, tokens, token_mask, heads, heads < HEADS, half,
+                                          half_mask, stride_x, HEAD_DIM, "evict_last")
+                sum_sq += tl.sum(tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2), axis=1)
+            rstd = tl.rsqrt(sum_sq / (HEADS * HEAD_DIM) + eps)
+            tl.store(RSTD + tokens, rstd, mask=token_mask)
+            cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
+                                                  half_mask, stride_cos, stride_sin, HEAD_DIM)
+            for group in range(GROUPS):
+                heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+                head_mask = heads < HEADS
+                s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride,
+                                       offset, HEAD_DIM)
+                x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half,
+                                          half_mask, stride_x, HEAD_DIM, "evict_first")
+                _normalize_rotate_store(x1, x2, rstd[:, None, None], s1, s2, cos1, cos2, sin1,
+                                        sin2, OUT, tokens, heads, half, mask, stride_out,
+                                        HEAD_DIM, ROUND_XHAT, X_DTYPE, NORM_DTYPE, ROPE_DTYPE)
 
 
 @triton.jit
-def _load_halves(rows, half, mask, HEAD_DIM: tl.constexpr):
-    """The two halves (float32, (ROWS, BLOCK_HALF)) of one head of ROWS rows."""
-    first = tl.load(rows + half[None, :], mask=mask, other=0.0).to(tl.float32)
-    second = tl.load(rows + HEAD_DIM // 2 + half[None, :], mask=mask, other=0.0).to(tl.float32)
-    return first, second
-
-
-@triton.jit
-def _normalize_rotate_store(x1, x2, rstd, w_head, cos_rows, sin_rows, out_rows, half, mask,
-                            offset, HEAD_DIM: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                            X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr,
-                            ROPE_DTYPE: tl.constexpr):
-    """One head: y = norm(x), rounded to NORM_DTYPE; o = RoPE(y) with every product and the sum
-    rounded to ROPE_DTYPE; store o in the output's dtype."""
-    s1 = offset + tl.load(w_head + half, mask=half < HEAD_DIM // 2, other=0.0).to(tl.float32)
-    s2 = offset + tl.load(w_head + HEAD_DIM // 2 + half, mask=half < HEAD_DIM // 2,
-                          other=0.0).to(tl.float32)
-    y1 = x1 * rstd[:, None]
-    y2 = x2 * rstd[:, None]
+def _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT, tokens, heads,
+                            half, mask, stride_out, HEAD_DIM: tl.constexpr,
+                            ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr,
+                            NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr):
+    """One tile: y = norm(x), rounded to NORM_DTYPE; o = RoPE(y) with every product and the
+    sum rounded to ROPE_DTYPE; store o in the output's dtype."""
+    y1 = x1 * rstd3
+    y2 = x2 * rstd3
     if ROUND_XHAT:
         y1 = y1.to(X_DTYPE).to(tl.float32)
         y2 = y2.to(X_DTYPE).to(tl.float32)
-    y1 = (y1 * s1[None, :]).to(NORM_DTYPE).to(tl.float32)
-    y2 = (y2 * s2[None, :]).to(NORM_DTYPE).to(tl.float32)
-    cos1, cos2 = _load_halves(cos_rows, half, mask, HEAD_DIM)
-    sin1, sin2 = _load_halves(sin_rows, half, mask, HEAD_DIM)
+    y1 = (y1 * s1).to(NORM_DTYPE).to(tl.float32)
+    y2 = (y2 * s2).to(NORM_DTYPE).to(tl.float32)
     o1 = (y1 * cos1).to(ROPE_DTYPE).to(tl.float32) - (y2 * sin1).to(ROPE_DTYPE).to(tl.float32)
     o2 = (y2 * cos2).to(ROPE_DTYPE).to(tl.float32) + (y1 * sin2).to(ROPE_DTYPE).to(tl.float32)
-    o1 = o1.to(ROPE_DTYPE)
-    o2 = o2.to(ROPE_DTYPE)
-    tl.store(out_rows + half[None, :], o1.to(out_rows.dtype.element_ty), mask=mask)
-    tl.store(out_rows + HEAD_DIM // 2 + half[None, :], o2.to(out_rows.dtype.element_ty),
-             mask=mask)
+    out = OUT + _tile_offsets(tokens, heads, half, stride_out, HEAD_DIM)
+    tl.store(out, o1.to(ROPE_DTYPE).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(out + HEAD_DIM // 2, o2.to(ROPE_DTYPE).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
                      DQW_PARTIAL, DKW_PARTIAL,
-                     n_tokens, q_slots, k_slots, n_q_programs,
+                     n_tokens, tokens_per_program, q_slots, k_slots, n_q_programs,
                      stride_q, stride_k, stride_dqo, stride_dko, stride_dq, stride_dk,
-                     stride_cos, stride_sin, qw_row_stride, kw_row_stride, offset,
-                     HEAD_DIM: tl.constexpr, Q_HEADS_PER_ROW: tl.constexpr,
-                     K_HEADS_PER_ROW: tl.constexpr, ROWS: tl.constexpr,
-                     BLOCK_HALF: tl.constexpr):
-    """Backward of q and k. Same grid as the forward; DQW_PARTIAL has one float32 row of length
-    N (= Q_HEADS_PER_ROW * HEAD_DIM) per q program (DKW_PARTIAL likewise for k), summed by the
-    launcher into the weight gradients."""
+                     stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
+                     HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+                     PER_LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Backward of q and k. Same grid as the forward; DQW_PARTIAL / DKW_PARTIAL receive the
+    float32 partial weight gradients (layout in the module docstring), summed by the
+    launcher."""
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, q_slots,
-                         stride_q, stride_dqo, stride_dq, stride_cos, stride_sin, qw_row_stride,
-                         offset, HEAD_DIM, Q_HEADS_PER_ROW, ROWS, BLOCK_HALF)
+        _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
+                         tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
+                         stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,
+                         PER_LAYER, ROWS, BLOCK_HQ, BLOCK_HALF)
     else:
         _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs,
-                         n_tokens, k_slots, stride_k, stride_dko, stride_dk, stride_cos,
-                         stride_sin, kw_row_stride, offset, HEAD_DIM, K_HEADS_PER_ROW, ROWS,
-                         BLOCK_HALF)
+                         n_tokens, tokens_per_program, k_slots, stride_k, stride_dko,
+                         stride_dk, stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM,
+                         K_HEADS, PER_LAYER, ROWS, BLOCK_HK, BLOCK_HALF)
 
 
 @triton.jit
-def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens, n_slots,
-                     stride_x, stride_do, stride_dx, stride_cos, stride_sin, w_row_stride,
-                     offset, HEAD_DIM: tl.constexpr, HEADS_PER_ROW: tl.constexpr,
-                     ROWS: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """dx for the rows of one program of one tensor, and its partial dw row."""
+def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
+                     tokens_per_program, n_slots, stride_x, stride_do, stride_dx, stride_cos,
+                     stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
+                     HEADS: tl.constexpr, PER_LAYER: tl.constexpr, ROWS: tl.constexpr,
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """dx for the tokens of one program of one tensor, and its partial weight gradient."""
+    GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H if PER_LAYER else 1
     slot = pid % n_slots
-    tokens = ((pid // n_slots) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
-    token_mask = tokens < n_tokens
+    token_group = pid // n_slots
+    token_start = token_group * tokens_per_program
+    token_end = tl.minimum(token_start + tokens_per_program, n_tokens)
     half = tl.arange(0, BLOCK_HALF)
     half_mask = half < HEAD_DIM // 2
-    mask = token_mask[:, None] & half_mask[None, :]
-    first_head = slot.to(tl.int64) * HEADS_PER_ROW
-    x_rows = X + tokens[:, None] * stride_x
-    do_rows = DO + tokens[:, None] * stride_do
-    dx_rows = DX + tokens[:, None] * stride_dx
-    cos_rows = COS + tokens[:, None] * stride_cos
-    sin_rows = SIN + tokens[:, None] * stride_sin
-    w_row = W + slot * w_row_stride
-    dw_row = DW_PARTIAL + pid.to(tl.int64) * (HEADS_PER_ROW * HEAD_DIM)
-    rstd = tl.load(RSTD + slot.to(tl.int64) * n_tokens + tokens, mask=token_mask, other=0.0)
-    # pass 1 (per_layer: over every head of the row): mean(g * x_hat)
-    sum_g_xhat = tl.zeros([ROWS], dtype=tl.float32)
-    for j in range(HEADS_PER_ROW):
-        x1, x2, g1, g2, dy1, dy2 = _load_grad_head(
-            x_rows + (first_head + j) * HEAD_DIM, do_rows + (first_head + j) * HEAD_DIM,
-            cos_rows, sin_rows, w_row + j * HEAD_DIM, half, mask, offset, HEAD_DIM)
-        sum_g_xhat += (tl.sum(g1 * x1, axis=1) + tl.sum(g2 * x2, axis=1)) * rstd
-    mean_g_xhat = sum_g_xhat / (HEADS_PER_ROW * HEAD_DIM)
-    # pass 2: dx and the dw partial, head by head (per_head too reads its one head twice: the
-    # second read mostly from cache)
-    for j in range(HEADS_PER_ROW):
-        x1, x2, g1, g2, dy1, dy2 = _load_grad_head(
-            x_rows + (first_head + j) * HEAD_DIM, do_rows + (first_head + j) * HEAD_DIM,
-            cos_rows, sin_rows, w_row + j * HEAD_DIM, half, mask, offset, HEAD_DIM)
-        x_hat1 = x1 * rstd[:, None]
-        x_hat2 = x2 * rstd[:, None]
-        dx1 = rstd[:, None] * (g1 - x_hat1 * mean_g_xhat[:, None])
-        dx2 = rstd[:, None] * (g2 - x_hat2 * mean_g_xhat[:, None])
-        head_dx = dx_rows + (first_head + j) * HEAD_DIM
-        tl.store(head_dx + half[None, :], dx1.to(DX.dtype.element_ty), mask=mask)
-        tl.store(head_dx + HEAD_DIM // 2 + half[None, :], dx2.to(DX.dtype.element_ty), mask=mask)
-        tl.store(dw_row + j * HEAD_DIM + half, tl.sum(dy1 * x_hat1, axis=0), mask=half_mask)
-        tl.store(dw_row + j * HEAD_DIM + HEAD_DIM // 2 + half, tl.sum(dy2 * x_hat2, axis=0),
-                 mask=half_mask)
+    # this program's partial: (D,) per program for a shared weight, else its token group's
+    # (H, D) rows
+    if w_head_stride == 0:
+        dw_tile = DW_PARTIAL + pid.to(tl.int64) * HEAD_DIM
+    else:
+        dw_tile = DW_PARTIAL + token_group.to(tl.int64) * (HEADS * HEAD_DIM)
+    if GROUPS == 1:
+        heads = slot * BLOCK_H + tl.arange(0, BLOCK_H)
+        head_mask = heads < HEADS
+        s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
+                               HEAD_DIM)
+        dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
+        dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask = row_block(block_start, token_end, ROWS)
+            x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads,
+                                                     head_mask, half, half_mask, stride_x,
+                                                     stride_do, stride_cos, stride_sin,
+                                                     HEAD_DIM, "evict_first")
+            g1 = dy1 * s1
+            g2 = dy2 * s2
+            if PER_LAYER:
+                rstd = tl.load(RSTD + tokens, mask=token_mask, other=0.0)[:, None, None]
+            else:
+                rstd = tl.load(RSTD + heads[None, :].to(tl.int64) * n_tokens + tokens[:, None],
+                               mask=token_mask[:, None] & head_mask[None, :],
+                               other=0.0)[:, :, None]
+            x_hat1 = x1 * rstd
+            x_hat2 = x2 * rstd
+            dot = tl.sum(g1 * x_hat1, axis=2) + tl.sum(g2 * x_hat2, axis=2)   # (ROWS, BLOCK_H)
+            if PER_LAYER:
+                c = (tl.sum(dot, axis=1) / (HEADS * HEAD_DIM))[:, None, None]
+            else:
+                c = (dot / HEAD_DIM)[:, :, None]
+            _dx_store(DX, tokens, heads, half, mask, stride_dx, rstd * (g1 - x_hat1 * c),
+                      rstd * (g2 - x_hat2 * c), HEAD_DIM)
+            dw1 += tl.sum(dy1 * x_hat1, axis=0)
+            dw2 += tl.sum(dy2 * x_hat2, axis=0)
+        if w_head_stride == 0:   # heads share the weight: one (D,) partial
+            tl.store(dw_tile + half, tl.sum(dw1, axis=0), mask=half_mask)
+            tl.store(dw_tile + HEAD_DIM // 2 + half, tl.sum(dw2, axis=0), mask=half_mask)
+        else:
+            dw_mask = head_mask[:, None] & half_mask[None, :]
+            dw_heads = dw_tile + heads[:, None].to(tl.int64) * HEAD_DIM + half[None, :]
+            tl.store(dw_heads, dw1, mask=dw_mask)
+            tl.store(dw_heads + HEAD_DIM // 2, dw2, mask=dw_mask)
+    else:
+        # A per_layer row longer than a tile: pass 1, c = mean(g · x_hat) over its tiles;
+        # pass 2, dx tile by tile, and dw added into this program's partial row.
+        for group in range(GROUPS):
+            heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+            dw_mask = (heads < HEADS)[:, None] & half_mask[None, :]
+            dw_heads = dw_tile + heads[:, None].to(tl.int64) * HEAD_DIM + half[None, :]
+            tl.store(dw_heads, tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32), mask=dw_mask)
+            tl.store(dw_heads + HEAD_DIM // 2, tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32),
+                     mask=dw_mask)
+        for block_start in range(token_start, token_end, ROWS):
+            tokens, token_mask = row_block(block_start, token_end, ROWS)
+            rstd = tl.load(RSTD + tokens, mask=token_mask, other=0.0)[:, None, None]
+            dot = tl.zeros([ROWS], dtype=tl.float32)
+            for group in range(GROUPS):
+                heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+                head_mask = heads < HEADS
+                s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride,
+                                       offset, HEAD_DIM)
+                x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask,
+                                                         heads, head_mask, half, half_mask,
+                                                         stride_x, stride_do, stride_cos,
+                                                         stride_sin, HEAD_DIM, "evict_last")
+                dot += tl.sum(tl.sum(dy1 * s1 * x1 * rstd, axis=2)
+                              + tl.sum(dy2 * s2 * x2 * rstd, axis=2), axis=1)
+            c = (dot / (HEADS * HEAD_DIM))[:, None, None]
+            for group in range(GROUPS):
+                heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+                head_mask = heads < HEADS
+                s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride,
+                                       offset, HEAD_DIM)
+                x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask,
+                                                         heads, head_mask, half, half_mask,
+                                                         stride_x, stride_do, stride_cos,
+                                                         stride_sin, HEAD_DIM, "evict_first")
+                x_hat1 = x1 * rstd
+                x_hat2 = x2 * rstd
+                _dx_store(DX, tokens, heads, half, mask, stride_dx,
+                          rstd * (dy1 * s1 - x_hat1 * c), rstd * (dy2 * s2 - x_hat2 * c),
+                          HEAD_DIM)
+                dw_mask = head_mask[:, None] & half_mask[None, :]
+                dw_heads = dw_tile + heads[:, None].to(tl.int64) * HEAD_DIM + half[None, :]
+                tl.store(dw_heads, tl.load(dw_heads, mask=dw_mask, other=0.0)
+                         + tl.sum(dy1 * x_hat1, axis=0), mask=dw_mask)
+                tl.store(dw_heads + HEAD_DIM // 2,
+                         tl.load(dw_heads + HEAD_DIM // 2, mask=dw_mask, other=0.0)
+                         + tl.sum(dy2 * x_hat2, axis=0), mask=dw_mask)
 
 
 @triton.jit
-def _load_grad_head(x_head, do_head, cos_rows, sin_rows, w_head, half, mask, offset,
-                    HEAD_DIM: tl.constexpr):
-    """For one head of ROWS rows: x (two halves), dy = RoPEᵀ(do) and g = dy * s, float32."""
-    x1, x2 = _load_halves(x_head, half, mask, HEAD_DIM)
-    do1, do2 = _load_halves(do_head, half, mask, HEAD_DIM)
-    cos1, cos2 = _load_halves(cos_rows, half, mask, HEAD_DIM)
-    sin1, sin2 = _load_halves(sin_rows, half, mask, HEAD_DIM)
-    dy1 = do1 * cos1 + do2 * sin2
-    dy2 = do2 * cos2 - do1 * sin1
-    half_mask = half < HEAD_DIM // 2
-    s1 = offset + tl.load(w_head + half, mask=half_mask, other=0.0).to(tl.float32)
-    s2 = offset + tl.load(w_head + HEAD_DIM // 2 + half, mask=half_mask, other=0.0).to(tl.float32)
-    return x1, x2, dy1 * s1[None, :], dy2 * s2[None, :], dy1, dy2
+def _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads, head_mask, half, half_mask,
+                    stride_x, stride_do, stride_cos, stride_sin, HEAD_DIM: tl.constexpr,
+                    EVICTION: tl.constexpr):
+    """x (two halves) and dy = RoPEᵀ(do) of one tile, float32, and the tile's mask."""
+    x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask,
+                              stride_x, HEAD_DIM, EVICTION)
+    do1, do2, _ = _load_tile(DO, tokens, token_mask, heads, head_mask, half, half_mask,
+                             stride_do, HEAD_DIM, EVICTION)
+    cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half, half_mask,
+                                          stride_cos, stride_sin, HEAD_DIM)
+    return x1, x2, do1 * cos1 + do2 * sin2, do2 * cos2 - do1 * sin1, mask
+
+
+# ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _tile_offsets(tokens, heads, half, stride, HEAD_DIM: tl.constexpr):
+    """Element offsets (ROWS, BLOCK_H, BLOCK_HALF) of the first halves of a tile's heads."""
+    return (tokens[:, None, None] * stride + heads[None, :, None].to(tl.int64) * HEAD_DIM
+            + half[None, None, :])
+
+
+@triton.jit
+def _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask, stride,
+               HEAD_DIM: tl.constexpr, EVICTION: tl.constexpr):
+    """The two halves (float32, (ROWS, BLOCK_H, BLOCK_HALF)) of a tile, and its mask."""
+    mask = (token_mask[:, None, None] & head_mask[None, :, None]) & half_mask[None, None, :]
+    first = X + _tile_offsets(tokens, heads, half, stride, HEAD_DIM)
+    x1 = tl.load(first, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    x2 = tl.load(first + HEAD_DIM // 2, mask=mask, other=0.0,
+                 eviction_policy=EVICTION).to(tl.float32)
+    return x1, x2, mask
+
+
+@triton.jit
+def _load_tables(COS, SIN, tokens, token_mask, half, half_mask, stride_cos, stride_sin,
+                 HEAD_DIM: tl.constexpr):
+    """cos and sin of the tokens, each as two halves (float32, (ROWS, 1, BLOCK_HALF))."""
+    mask = token_mask[:, None] & half_mask[None, :]
+    cos = COS + tokens[:, None] * stride_cos + half[None, :]
+    sin = SIN + tokens[:, None] * stride_sin + half[None, :]
+    cos1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
+    cos2 = tl.load(cos + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    sin1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
+    sin2 = tl.load(sin + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    return cos1[:, None, :], cos2[:, None, :], sin1[:, None, :], sin2[:, None, :]
+
+
+@triton.jit
+def _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
+                  HEAD_DIM: tl.constexpr):
+    """s = offset + w of a tile's heads, two halves (float32, (1, BLOCK_H, BLOCK_HALF)).
+    Every program reads the weights: evict_last."""
+    mask = head_mask[:, None] & half_mask[None, :]
+    w = W + heads[:, None].to(tl.int64) * w_head_stride + half[None, :]
+    s1 = offset + tl.load(w, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    s2 = offset + tl.load(w + HEAD_DIM // 2, mask=mask, other=0.0,
+                          eviction_policy="evict_last").to(tl.float32)
+    return s1[None, :, :], s2[None, :, :]
+
+
+@triton.jit
+def _dx_store(DX, tokens, heads, half, mask, stride_dx, dx1, dx2, HEAD_DIM: tl.constexpr):
+    """Store the two halves of a tile's dx in DX's dtype."""
+    dx = DX + _tile_offsets(tokens, heads, half, stride_dx, HEAD_DIM)
+    tl.store(dx, dx1.to(DX.dtype.element_ty), mask=mask)
+    tl.store(dx + HEAD_DIM // 2, dx2.to(DX.dtype.element_ty), mask=mask)

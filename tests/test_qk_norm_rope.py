@@ -201,3 +201,31 @@ def test_bad_rope_tables_raise_before_launch():
                                  head_dim=8, backend="torch")
     for a, b in zip(out, ref):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("scope, weights", [("per_head", "shared"), ("per_head", "per_head"),
+                                            ("per_layer", "per_layer")])
+@pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
+                                                    (torch.bfloat16, "gemma", 1.0)], ids=str)
+def test_split_rows_and_idle_programs(scope, weights, dtype, casting, offset, monkeypatch):
+    """The kernel paths the default CPU tiles never reach: tiles of 16 values (one head of
+    D = 16 per tile, so per_head has a slot per head and a per_layer row is 4 or 2 tiles,
+    read twice), 5 programs per slot for 12 tokens (3 tokens each: the last is idle), and
+    float32 buffers full of NaN, so a partial that no program writes cannot pass. Outputs and
+    gradients against float64."""
+    from normtools.core import _launch
+    slots = 2 if scope == "per_layer" else 4 + 2
+    monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64 if dtype == torch.float32 else 32)
+    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 16)
+    monkeypatch.setattr(_launch, "CPU_PROGRAMS", 5 * slots)
+    plan = _launch.plan_for("qk_norm_rope_bwd", dtype, 12, 4 * 16, "cpu", slots=slots)
+    assert plan.block_n == 16 and plan.block_m == 1
+    assert plan.programs == 5 * slots and plan.rows_per_program == 3      # one idle per slot
+    empty = torch.empty
+
+    def poisoned(*size, **kwargs):
+        out = empty(*size, **kwargs)
+        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    test_gradients_match_float64("triton", scope, weights, dtype, casting, offset)

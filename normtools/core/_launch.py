@@ -217,7 +217,7 @@ def as_rows(t):
 # ---------------------------------------------------------------------------------------------
 
 KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
-           "qk_norm_fwd", "qk_norm_bwd")
+           "qk_norm_fwd", "qk_norm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
 
 
 @dataclasses.dataclass(frozen=True)

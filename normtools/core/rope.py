@@ -23,8 +23,8 @@ import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend
-from normtools.core.qk import (_head_stride, _row_lens, _sum_partials, _torch_backward,
-                               _torch_forward, check_qk_inputs)
+from normtools.core.qk import (_row_lens, _sum_partials, _torch_backward, _torch_forward,
+                               check_qk_inputs)
 from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
 
@@ -91,68 +91,101 @@ def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_d
 
 # ----------------------------------------------------------------------------- triton backend
 
-def _launch_shape(kernel, n_tokens, head_dim, dtype, device):
-    """(ROWS tokens per program, BLOCK_HALF, num_warps, token blocks = programs per row slot):
-    from the QK-Norm launch plan ``kernel`` for head_dim-long rows (both kernels work one head
-    at a time)."""
-    plan = plan_for(kernel, dtype, n_tokens, head_dim, device)
-    return (plan.block_m, triton.next_power_of_2(head_dim // 2), plan.num_warps,
-            triton.cdiv(n_tokens, plan.block_m))
+def _launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
+    """(plan, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, q_slots, k_slots) of a launch of ``kernel``
+    ("qk_norm_rope_fwd" / "qk_norm_rope_bwd"): the launch plan for q's row of one token
+    (Hq heads of 2 · BLOCK_HALF columns), its tile of BLOCK_N columns cut into whole heads;
+    per_head a slot is one tile of heads, per_layer the whole row."""
+    block_half = triton.next_power_of_2(head_dim // 2)
+    row = hq * 2 * block_half
+    block_n = plan_for(kernel, dtype, n_tokens, row, device).block_n
+    block_hq = max(1, min(block_n // (2 * block_half), triton.next_power_of_2(hq)))
+    block_hk = min(block_hq, triton.next_power_of_2(hk))
+    q_slots, k_slots = ((1, 1) if per_layer else
+                        (triton.cdiv(hq, block_hq), triton.cdiv(hk, block_hk)))
+    plan = plan_for(kernel, dtype, n_tokens, row, device, slots=q_slots + k_slots)
+    return plan, block_hq, block_hk, block_half, q_slots, k_slots
+
+
+def _weight_head_stride(weight, head_dim, per_layer):
+    """Elements between the weights of consecutive heads: 0 for one (head_dim,) weight shared
+    by every head, head_dim for one row per head or a per_layer weight."""
+    return head_dim if per_layer or weight.dim() == 2 else 0
 
 
 def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim, eps, offset,
                     casting, cast_back):
     device, n_tokens = q2d.device, q2d.shape[0]
-    q_slots, k_slots = q2d.shape[1] // nq, k2d.shape[1] // nk
+    # (per_layer with one head is the per_head case: the same statistics)
+    hq, hk, per_layer = q2d.shape[1] // head_dim, k2d.shape[1] // head_dim, nq > head_dim
     q_norm_dtype, q_rope_dtype, q_out_dtype = _dtypes(q2d.dtype, q_weight.dtype, casting,
                                                       cos2d.dtype, cast_back)
     k_norm_dtype, k_rope_dtype, k_out_dtype = _dtypes(k2d.dtype, k_weight.dtype, casting,
                                                       cos2d.dtype, cast_back)
     qo = torch.empty(q2d.shape, device=device, dtype=q_out_dtype)
     ko = torch.empty(k2d.shape, device=device, dtype=k_out_dtype)
-    q_rstd = torch.empty(q_slots, n_tokens, device=device, dtype=torch.float32)
-    k_rstd = torch.empty(k_slots, n_tokens, device=device, dtype=torch.float32)
+    q_rstd = torch.empty(q2d.shape[1] // nq, n_tokens, device=device, dtype=torch.float32)
+    k_rstd = torch.empty(k2d.shape[1] // nk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qo, ko, q_rstd, k_rstd
-    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_fwd", n_tokens, head_dim,
-                                                        q2d.dtype, device)
-    kernel_for(_k.qk_norm_rope_fwd, device)[((q_slots + k_slots) * blocks,)](
+    plan, block_hq, block_hk, block_half, q_slots, k_slots = _launch_shape(
+        "qk_norm_rope_fwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
+    kernel_for(_k.qk_norm_rope_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
-        q_rstd, k_rstd, n_tokens, q_slots, k_slots, q_slots * blocks,
+        q_rstd, k_rstd, n_tokens, plan.rows_per_program, q_slots, k_slots,
+        plan.programs // (q_slots + k_slots) * q_slots,
         q2d.stride(0), k2d.stride(0), qo.stride(0), ko.stride(0), cos2d.stride(0),
-        sin2d.stride(0), _head_stride(q_weight, head_dim), _head_stride(k_weight, head_dim),
-        eps, offset, HEAD_DIM=head_dim, Q_HEADS_PER_ROW=nq // head_dim,
-        K_HEADS_PER_ROW=nk // head_dim, ROWS=rows, BLOCK_HALF=block_half,
-        ROUND_XHAT=casting == "llama", Q_NORM_DTYPE=_TL_DTYPES[q_norm_dtype],
-        K_NORM_DTYPE=_TL_DTYPES[k_norm_dtype], Q_ROPE_DTYPE=_TL_DTYPES[q_rope_dtype],
-        K_ROPE_DTYPE=_TL_DTYPES[k_rope_dtype], num_warps=num_warps)
+        sin2d.stride(0), _weight_head_stride(q_weight, head_dim, per_layer),
+        _weight_head_stride(k_weight, head_dim, per_layer), eps, offset, HEAD_DIM=head_dim,
+        Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, ROWS=plan.block_m, BLOCK_HQ=block_hq,
+        BLOCK_HK=block_hk, BLOCK_HALF=block_half, ROUND_XHAT=casting == "llama",
+        Q_NORM_DTYPE=_TL_DTYPES[q_norm_dtype], K_NORM_DTYPE=_TL_DTYPES[k_norm_dtype],
+        Q_ROPE_DTYPE=_TL_DTYPES[q_rope_dtype], K_ROPE_DTYPE=_TL_DTYPES[k_rope_dtype],
+        num_warps=plan.num_warps)
     return qo, ko, q_rstd, k_rstd
+
+
+def _partial_buffer(weight, heads, head_dim, per_layer, programs, groups, device):
+    """The float32 partials of one tensor's weight gradient, shaped for ``_sum_partials``:
+    (programs, D) for a shared (D,) weight, (groups · H, D) for one row per head,
+    (groups, H · D) per layer (the layouts of kernels/qk_norm_rope.py)."""
+    if per_layer:
+        shape = (groups, heads * head_dim)
+    elif weight.dim() == 2:
+        shape = (groups * heads, head_dim)
+    else:
+        shape = (programs, head_dim)
+    return torch.empty(shape, device=device, dtype=torch.float32)
 
 
 def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rstd, k_rstd, nq,
                      nk, head_dim, offset):
     device, n_tokens = q2d.device, q2d.shape[0]
-    q_slots, k_slots = q2d.shape[1] // nq, k2d.shape[1] // nk
+    # (per_layer with one head is the per_head case: the same statistics)
+    hq, hk, per_layer = q2d.shape[1] // head_dim, k2d.shape[1] // head_dim, nq > head_dim
     dqo, dko = as_rows(dqo), as_rows(dko)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    rows, block_half, num_warps, blocks = _launch_shape("qk_norm_bwd", n_tokens, head_dim,
-                                                        q2d.dtype, device)
-    blocks = blocks if n_tokens > 0 else 0
-    dqw_partial = torch.zeros(q_slots * blocks, nq, device=device, dtype=torch.float32)
-    dkw_partial = torch.zeros(k_slots * blocks, nk, device=device, dtype=torch.float32)
+    plan, block_hq, block_hk, block_half, q_slots, k_slots = _launch_shape(
+        "qk_norm_rope_bwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
+    groups = plan.programs // (q_slots + k_slots) if n_tokens > 0 else 0
+    dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_slots * groups, groups,
+                                  device)
+    dkw_partial = _partial_buffer(k_weight, hk, head_dim, per_layer, k_slots * groups, groups,
+                                  device)
     if n_tokens > 0:
-        kernel_for(_k.qk_norm_rope_bwd, device)[((q_slots + k_slots) * blocks,)](
+        kernel_for(_k.qk_norm_rope_bwd, device)[(plan.programs,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, dqo, dko,
             dq, dk, q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens, q_slots, k_slots, q_slots * blocks,
+            n_tokens, plan.rows_per_program, q_slots, k_slots, q_slots * groups,
             q2d.stride(0), k2d.stride(0), dqo.stride(0), dko.stride(0), dq.stride(0),
-            dk.stride(0), cos2d.stride(0), sin2d.stride(0), _head_stride(q_weight, head_dim),
-            _head_stride(k_weight, head_dim), offset, HEAD_DIM=head_dim,
-            Q_HEADS_PER_ROW=nq // head_dim, K_HEADS_PER_ROW=nk // head_dim, ROWS=rows,
-            BLOCK_HALF=block_half, num_warps=num_warps)
-    return (dq, dk, _sum_partials(dqw_partial, q_slots, q_weight),
-            _sum_partials(dkw_partial, k_slots, k_weight))
+            dk.stride(0), cos2d.stride(0), sin2d.stride(0),
+            _weight_head_stride(q_weight, head_dim, per_layer),
+            _weight_head_stride(k_weight, head_dim, per_layer), offset, HEAD_DIM=head_dim,
+            Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, ROWS=plan.block_m, BLOCK_HQ=block_hq,
+            BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=plan.num_warps)
+    return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
+            _sum_partials(dkw_partial, hk, k_weight))
 
 
 # ----------------------------------------------------------------------------- custom ops
