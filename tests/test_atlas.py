@@ -80,6 +80,9 @@ TRUTH = {
     "bloom": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),
     # OPT decoder layer, do_layer_norm_before=True: pre-norm; OPT-350m-style project_out absent
     "opt": ("layer", 1e-5, 0, T, "torch", "pre", T, "none", None, ALL, T),
+    # Llama 4 text: Llama4TextRMSNorm pre-norms; one weightless Llama4TextL2Norm (x·rsqrt(ms + eps))
+    # called as self.qk_norm on q and on k, (B, T, H, D), after apply_rotary_emb
+    "llama4_text": ("rms", 1e-5, 0, N, "llama", "pre", T, "per_head", N, NO_BIAS, N),
     # BERT (BertLMHeadModel): LayerNorm(x + sublayer(x)) inside BertSelfOutput / BertOutput
     "bert": ("layer", 1e-12, 0, T, "torch", "post", T, "none", None, ALL, T),
 }
@@ -116,7 +119,7 @@ def test_the_atlas_is_of_the_installed_transformers(committed):
 
 
 # a sample of families re-probed now must give the committed cards (a few seconds each)
-SAMPLE = ("llama", "olmo2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss", "bert")
+SAMPLE = ("llama", "olmo2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss", "bert", "llama4_text")
 
 
 @pytest.mark.parametrize("model_type", SAMPLE)
@@ -196,3 +199,30 @@ def test_qk_weight_shape_is_named_per_scope(committed):
     assert rows["qwen3"]["qk_weight"] == "head_dim"  # Qwen3RMSNorm(self.head_dim)
     assert rows["olmo2"]["qk_weight"] == "H*head_dim"  # Olmo2RMSNorm(num_attention_heads * head_dim)
     assert rows["llama"]["qk_weight"] == "none"
+
+
+def test_llama4_weightless_qk_norm_is_recorded_as_its_qk_norm(committed):
+    """Llama 4's attention holds one parameterless ``qk_norm`` (Llama4TextL2Norm) that it applies
+    to q and to k per head after RoPE (read from transformers' module and its forward): the atlas
+    records it as the QK-Norm (per head, no weight, after RoPE), not among the other norms."""
+    import inspect
+
+    from transformers.models.llama4 import modeling_llama4
+
+    config = transformers.AutoConfig.for_model(
+        "llama4_text", vocab_size=64, hidden_size=32, intermediate_size=48, intermediate_size_mlp=48,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+        use_qk_norm=True, no_rope_layers=[1, 1])
+    attn = modeling_llama4.Llama4TextAttention(config, layer_idx=0)
+    assert type(attn.qk_norm).__name__ == "Llama4TextL2Norm" and not list(attn.qk_norm.parameters())
+    x = torch.randn(2, 5, 4, 8, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    want = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + config.rms_norm_eps)
+    torch.testing.assert_close(attn.qk_norm(x), want)          # per head: over head_dim only
+    source = inspect.getsource(modeling_llama4.Llama4TextAttention.forward)
+    assert source.index("apply_rotary_emb(") < source.index("self.qk_norm(query_states)")
+    spec = atlas.atlas_spec("llama4_text", committed)
+    assert (spec.qk_norm.scope, spec.qk_norm.before_rope) == ("per_head", False)
+    assert spec.qk_norm.norm.kind == "rms" and spec.qk_norm.norm.eps == config.rms_norm_eps
+    assert not [o for o in spec.other_norms if "qk_norm" in o.name]
+    row = next(r for r in atlas.atlas_rows(committed) if r["model_type"] == "llama4_text")
+    assert (row["qk_norm"], row["qk_weight"]) == ("per_head", "no weight")

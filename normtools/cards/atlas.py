@@ -42,7 +42,7 @@ from importlib import resources
 
 from normtools.cards.types import ModelNormSpec, NormSpec, OtherNorm, ProjectionBiases, QKNormSpec, SpecError
 
-PROBE_VERSION = 1
+PROBE_VERSION = 2
 ATLAS_FILE = resources.files("normtools.cards").joinpath("data", "atlas.json")
 
 # the probe's tiny shapes: hidden 64, 4 heads of 8 (H*D = 32 differs from hidden, so a per-layer
@@ -314,7 +314,8 @@ def _probe_casting(module, kind, offset, eps, input_shape, gen, rms_ref, ln_ref,
 # --------------------------------------------------------------------------------------------
 
 _ATTN_NAME = re.compile(r".*(attn|attention|self_attention|mixer|linear_attn|mamba|token_mixer|conv).*", re.I)
-_QK_NAME = re.compile(r"^(q|k|query|key)_?(norm|layernorm|layer_norm|ln|rmsnorm)$", re.I)
+# QK-Norm modules: one for q and one for k, or one module for both (Llama 4's ``qk_norm``)
+_QK_NAME = re.compile(r"^(q|k|qk|query|key)_?(norm|layernorm|layer_norm|ln|rmsnorm)$", re.I)
 _SUBLAYER_SKIP = re.compile(r".*(rotary|dropout|act|drop_path).*", re.I)
 
 
@@ -604,8 +605,11 @@ def _classify(model, prefix, layers, norms, calls, constant_calls, text, default
         if i == 0:
             layer0_block = block
             for n in qk_here:
-                qk[n] = _probe_qk(norms[n], calls[n][0][0], constant_calls.get(n, [(None, None)])[0][0],
-                                  n[len(lname) + 1:], head_dim, heads, has_rope)
+                try:
+                    qk[n] = _probe_qk(norms[n], calls[n][0][0], constant_calls.get(n, [(None, None)])[0][0],
+                                      n[len(lname) + 1:], head_dim, heads, has_rope)
+                except Exception:  # noqa: BLE001 - a q/k norm with other inputs (Zaya's takes q and k)
+                    others.append(n)  # is reported among the other norms, with the reason
     placement = layer_labels[0] if len(set(layer_labels)) == 1 else "mixed"
     block_probes = {n[len(f"{prefix}.0") + 1:]: probe(n) for n in layer0_block}
     # the final norm: the norm (outside the layers) whose output is the LM head's input
@@ -642,11 +646,13 @@ def _module(model, name):
 
 
 def _probe_qk(module, inp, constant_inp, local_name, head_dim, heads, has_rope) -> dict:
-    """QK-Norm scope by perturbing one head; weight shape; before/after RoPE."""
+    """QK-Norm scope by perturbing one head; weight shape; before/after RoPE. ``which``: "q",
+    "k", or "qk" for one module applied to both (probed on q's heads)."""
     import torch
 
-    which = "q" if local_name.rsplit(".", 1)[-1].lower().startswith("q") else "k"
-    h = heads[which]
+    last = local_name.rsplit(".", 1)[-1].lower()
+    which = "qk" if last.startswith("qk") else "q" if last.startswith("q") else "k"
+    h = heads["q" if which == "qk" else which]
     d = head_dim
     m = copy.deepcopy(module).float().eval()
     x = inp.float()
@@ -896,7 +902,7 @@ def atlas_rows(atlas=None) -> list:
 
 def _qk_weight(probe: dict) -> str:
     """The q-norm weight's shape in words: "head_dim", "H*head_dim", "H x head_dim" or "none"."""
-    q = next((v for v in probe["qk_norms"].values() if v["which"] == "q"), None)
+    q = next((v for v in probe["qk_norms"].values() if v["which"] in ("q", "qk")), None)
     if q is None:
         return "none"
     shape, heads = q["weight_shape"], q["heads"]
