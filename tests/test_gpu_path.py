@@ -66,3 +66,166 @@ def test_training_autocast_follows_the_compute_dtype(monkeypatch, capsys, gpu, e
     chosen, _ = train.autocast_for("auto", torch.device("cuda"))
     assert chosen == expected
     assert ("no bfloat16 arithmetic, using float32" in capsys.readouterr().out) == (gpu is T4)
+
+
+# ------------------------------------------------------------------------- the chapters' sizes
+
+from normtools.book import sizes                      # noqa: E402
+from normtools.lab import experiments, related        # noqa: E402
+
+SHRINKS = (2, 3, 16, 64, 10_000)
+
+
+def _leaves(settings, floors, path=()):
+    """(path, gpu value, floor) of every shrinkable size."""
+    for key, floor in floors.items():
+        if isinstance(floor, dict):
+            yield from _leaves(settings[key], floor, path + (key,))
+        else:
+            yield path + (key,), settings[key], floor
+
+
+def _get(settings, path):
+    for key in path:
+        settings = settings[key]
+    return settings
+
+
+@pytest.mark.parametrize("chapter", sorted(sizes.CHAPTER_SIZES))
+def test_cpu_sizes_are_never_shrunk_and_shrink_1_keeps_the_gpu_ones(chapter):
+    assert sizes.chapter_settings(chapter, "cpu", 64) == sizes.CHAPTER_SIZES[chapter]["cpu"]
+    assert sizes.chapter_settings(chapter, "gpu", 1) == sizes.CHAPTER_SIZES[chapter]["gpu"]
+    with pytest.raises(ValueError, match="positive integer"):
+        sizes.chapter_settings(chapter, "gpu", 0)
+
+
+def _tables():
+    yield from ((c, sizes.CHAPTER_SIZES[c]["gpu"], sizes.SHRINK_FLOORS[c])
+                for c in sizes.CHAPTER_SIZES)
+    yield "stability", experiments.STABILITY_SIZES["gpu"], sizes.SHRINK_FLOORS["stability"]
+    yield "related", related.RELATED_SIZES["gpu"], sizes.SHRINK_FLOORS["related"]
+
+
+@pytest.mark.parametrize("shrink", SHRINKS)
+@pytest.mark.parametrize("kind, gpu, floors", list(_tables()), ids=lambda v: str(v)[:12])
+def test_shrunk_sizes_divide_by_the_shrink_within_their_floors(kind, gpu, floors, shrink):
+    shrunk = sizes.shrink(gpu, floors, shrink)
+    for path, value, floor in _leaves(gpu, floors):
+        new = _get(shrunk, path)
+        assert floor <= new <= value and new % floor == 0, (path, new)
+        if value // shrink >= floor:       # not at the floor: within one floor of value / k
+            assert value / shrink - floor - 1 < new <= value / shrink, (path, new)
+        else:
+            assert new == floor, (path, new)
+    unshrunk = {path for path, _, _ in _leaves(gpu, floors)}
+    assert all(_get(shrunk, p) == _get(gpu, p) for p in _all_paths(gpu) if p not in unshrunk)
+
+
+def _all_paths(settings, path=()):
+    for key, value in settings.items():
+        if isinstance(value, dict):
+            yield from _all_paths(value, path + (key,))
+        else:
+            yield path + (key,)
+
+
+@pytest.mark.parametrize("shrink", SHRINKS)
+def test_shrunk_models_stay_buildable(shrink):
+    """Widths that their head counts divide, even head dims (RoPE), nothing below 1."""
+    flow = sizes.chapter_settings("02", "gpu", shrink)
+    assert flow["width"] % flow["heads"] == 0 and (flow["width"] // flow["heads"]) % 2 == 0
+    assert (flow["hf_hidden"] // 4) % 2 == 0   # the chapter's HF models: head_dim hidden / 4
+    table = {"gpu": experiments.STABILITY_SIZES["gpu"]}
+    stability = table[sizes.register_shrunk(table, "stability", "gpu", shrink)]
+    for model in (stability["model"], {**stability["xiong"]["model"]}):
+        assert model["width"] % model["heads"] == 0
+        assert (model["width"] // model["heads"]) % 2 == 0
+    table = {"gpu": related.RELATED_SIZES["gpu"]}
+    rel = table[sizes.register_shrunk(table, "related", "gpu", shrink)]
+    for model in (rel["model"], rel["probe_model"]):
+        assert model["width"] % model["heads"] == 0
+    examples = sizes.chapter_settings("05", "gpu", shrink)
+    assert min(v for v in examples["model"].values()) >= 2
+    assert examples["batch"] >= 1 and examples["seq_len"] >= 8
+
+
+def test_register_shrunk_names_the_shrunk_size():
+    table = {"cpu": {"steps": 100}, "gpu": {"steps": 1000}}
+    assert sizes.register_shrunk(table, "06", "cpu", 64) == "cpu"
+    assert sizes.register_shrunk(table, "06", "gpu", 1) == "gpu"
+    with pytest.raises(KeyError, match="do not have"):
+        sizes.shrink(table["gpu"], {"width": 8}, 2)
+
+
+# ------------------------------------------------------------- every chapter's size="gpu" path
+
+import json                                           # noqa: E402
+import os                                             # noqa: E402
+import time                                           # noqa: E402
+from concurrent.futures import ThreadPoolExecutor     # noqa: E402
+from pathlib import Path                              # noqa: E402
+
+BOOK = Path(__file__).resolve().parents[1] / "book"
+GPU_SHRINK = 64
+#: Parameters besides size="gpu", gpu_shrink and threads=1: chapter 4a trains its studies live
+#: at the gpu size, over one seed here.
+EXTRA_PARAMETERS = {"04a_profiling_stability": {"n_seeds": 1}}
+
+
+def _parameters_source(path):
+    cells = json.loads(path.read_text())["cells"]
+    return next("".join(c["source"]) for c in cells
+                if "parameters" in c.get("metadata", {}).get("tags", []))
+
+
+#: Every chapter with a size parameter, the longest first (they run two at a time).
+CHAPTERS = sorted((p.stem for p in BOOK.glob("[0-9]*.ipynb")
+                   if "size = " in _parameters_source(p)),
+                  key=lambda s: (not s.startswith(("04a", "04b", "07", "02")), s))
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):
+    """Each chapter with a gpu_shrink parameter executed with size="gpu", gpu_shrink=64 and
+    one thread, two chapters at a time, into a temporary folder (never into book/):
+    {chapter: (executed notebook path or the exception, seconds)}."""
+    from normtools.book import build
+
+    out = tmp_path_factory.mktemp("gpu_path")
+    todo = [c for c in CHAPTERS if "gpu_shrink" in _parameters_source(BOOK / f"{c}.ipynb")]
+
+    def run(chapter):
+        start = time.perf_counter()
+        destination = out / f"{chapter}.ipynb"
+        try:
+            build.execute(BOOK / f"{chapter}.ipynb", destination, cell_timeout=300,
+                          parameters={"size": "gpu", "gpu_shrink": GPU_SHRINK, "threads": 1,
+                                      **EXTRA_PARAMETERS.get(chapter, {})})
+            result = destination
+        except Exception as exc:   # reported by the chapter's test
+            result = exc
+        return chapter, (result, time.perf_counter() - start)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
+        runs = dict(pool.map(run, todo))
+    print(f"\nsize='gpu' path of {len(runs)} chapters in {time.perf_counter() - start:.0f} s "
+          f"(load {os.getloadavg()[0]:.1f}): "
+          + ", ".join(f"{c} {s:.0f} s" for c, (_, s) in runs.items()))
+    return runs
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS)
+def test_chapter_runs_to_the_end_at_the_shrunk_gpu_size(gpu_runs, chapter):
+    if chapter not in gpu_runs:
+        pytest.skip(f"{chapter} has no gpu_shrink parameter yet (its setting cells still hold "
+                    f"inline sizes; see normtools.book.sizes)")
+    result, _ = gpu_runs[chapter]
+    if isinstance(result, Exception):
+        pytest.fail(f"{chapter} at size='gpu', gpu_shrink={GPU_SHRINK}: {result}")
+    cells = [c for c in json.loads(result.read_text())["cells"] if c["cell_type"] == "code"]
+    injected = [c for c in cells if "injected-parameters" in c["metadata"].get("tags", [])]
+    assert len(injected) == 1 and "gpu_shrink = 64" in "".join(injected[0]["source"])
+    assert all(c["execution_count"] is not None for c in cells), "a cell did not run"
+    errors = [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
+    assert not errors

@@ -77,8 +77,10 @@ CHAPTER_BUDGET_S = 120.0
 
 
 def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_timeout: int = 600,
-            cwd: Path | None = None, times: Path | None = None) -> dict:
-    """Run ``source`` with papermill (default parameters) and write it, stripped, to ``destination``.
+            cwd: Path | None = None, times: Path | None = None,
+            parameters: dict | None = None) -> dict:
+    """Run ``source`` with papermill (default parameters, or ``parameters`` injected after its
+    ``parameters`` cell) and write it, stripped, to ``destination``.
 
     Prints and returns the run's timing: wall seconds, the kernel's CPU seconds and the 1-minute
     load average when it ended (a load above the core count means other work shared the machine,
@@ -91,7 +93,8 @@ def execute(source: Path, destination: Path, *, kernel: str = "python3", cell_ti
     children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
     papermill.execute_notebook(
-        str(source), str(destination), kernel_name=kernel, execution_timeout=cell_timeout,
+        str(source), str(destination), parameters=parameters or {}, kernel_name=kernel,
+        execution_timeout=cell_timeout,
         cwd=str(cwd or source.parent), progress_bar=False, log_output=False,
     )
     wall = time.perf_counter() - start
