@@ -368,14 +368,17 @@ def _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask, stride,
 @triton.jit
 def _load_tables(COS, SIN, tokens, token_mask, half, half_mask, stride_cos, stride_sin,
                  HEAD_DIM: tl.constexpr):
-    """cos and sin of the tokens, each as two halves (float32, (ROWS, 1, BLOCK_HALF))."""
+    """cos and sin of the tokens, each as two halves (float32, (ROWS, 1, BLOCK_HALF)). The q
+    and the k programs both read them: evict_last."""
     mask = token_mask[:, None] & half_mask[None, :]
     cos = COS + tokens[:, None] * stride_cos + half[None, :]
     sin = SIN + tokens[:, None] * stride_sin + half[None, :]
-    cos1 = tl.load(cos, mask=mask, other=0.0).to(tl.float32)
-    cos2 = tl.load(cos + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
-    sin1 = tl.load(sin, mask=mask, other=0.0).to(tl.float32)
-    sin2 = tl.load(sin + HEAD_DIM // 2, mask=mask, other=0.0).to(tl.float32)
+    cos1 = tl.load(cos, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    cos2 = tl.load(cos + HEAD_DIM // 2, mask=mask, other=0.0,
+                   eviction_policy="evict_last").to(tl.float32)
+    sin1 = tl.load(sin, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    sin2 = tl.load(sin + HEAD_DIM // 2, mask=mask, other=0.0,
+                   eviction_policy="evict_last").to(tl.float32)
     return cos1[:, None, :], cos2[:, None, :], sin1[:, None, :], sin2[:, None, :]
 
 

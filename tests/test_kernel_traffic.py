@@ -168,3 +168,32 @@ def test_qk_norm_rope_minimum_matches_the_tensors(scope):
     assert bench.bytes_moved(f"qk_norm_rope_{scope}", shape, torch.bfloat16) == forward
     assert bench.bytes_moved(f"qk_norm_rope_{scope}_fwd_bwd", shape,
                              torch.bfloat16) == forward + backward
+
+
+def test_qk_norm_rope_forward_counted_by_hand():
+    """qk_norm_rope per head, bf16, T = 4 tokens, 2 q heads and 1 k head of D = 8, with the
+    CUDA plan of a 1-SM GPU: one q program and one k program. Each reads its tensor once
+    (q 4·2·8·2 = 128 B, k 64 B), its shared (D,) weight once per head lane of its tile (16 B
+    per head: 48 B) and the tokens' cos and sin (2·4·8·2 = 128 B, so 256 B for the two
+    programs); it writes its output and a float32 inverse RMS per (token, head) (4·3·4 = 48 B
+    in all)."""
+    from normtools.measure import bench
+    t = bench.make_inputs("qk_norm_rope_per_head", {"T": 4, "Hq": 2, "Hk": 1, "D": 8},
+                          torch.bfloat16, "cpu")
+    with _launch.planning_for_cuda(1), kt.counting_bytes() as counts:
+        normtools.qk_norm_rope(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"], t["sin"],
+                               head_dim=8, backend="triton")
+    got = counts["qk_norm_rope_fwd"]
+    assert got.launches == 1
+    assert sum(got.loads.values()) == 128 + 64 + 3 * 16 + 2 * 128
+    assert got.loads["evict_last"] == 3 * 16 + 2 * 128            # weights and tables
+    assert sum(got.stores.values()) == 128 + 64 + 48
+
+
+@pytest.mark.parametrize("op", ["qk_norm_rope_per_head", "qk_norm_rope_per_layer_fwd_bwd"])
+def test_qk_norm_rope_ratios_at_the_cuda_plan(op):
+    """T = 4096 tokens of 32 q and 8 k heads of 128, bf16, an H200's plan: within 5 % of the
+    minimum (q, k and the tables read once per token; what is left: the tables read by the q
+    and by the k programs, the weights once per program, the float32 partials)."""
+    result = kt.case_traffic(op, {"T": 4096, "Hq": 32, "Hk": 8, "D": 128})
+    assert 1.0 <= result["ratio"] <= 1.05, result

@@ -9,7 +9,9 @@ without TRITON_INTERPRET, so the checks run in a subprocess.
 Compiling every configuration (op x dtype x N x direction x cc) takes minutes, so this test
 samples: the backward at N = 16384 in bf16 (which spilled 392 B for RMSNorm and 932 B for
 LayerNorm in the single-pass design), the longest single-pass forward (N = 32768, 32 warps),
-per-layer QK-Norm, at sm_90; one op also for sm_80 and sm_75 (Colab's T4).
+per-layer QK-Norm, at sm_90; rms_norm and the fused QK-Norm + RoPE per layer (N = 4096 in one
+tile; N = 65536 in tiles, whose 4096-wide backward tiles spilled 8 B) also for sm_80 and sm_75
+(Colab's T4).
 ``python -m normtools.measure.spills`` prints the full table.
 """
 
@@ -42,7 +44,9 @@ table = spills.spill_table(ops=("rms_norm_fwd_bwd", "layer_norm_fwd_bwd"),
 table = [table, spills.spill_table(ops=("rms_norm_fwd_bwd",), dtypes=(torch.bfloat16,),
                                    ns=(32768,), archs=(90, 80, 75)),
          spills.spill_table(ops=("qk_norm_per_layer_fwd_bwd",), dtypes=(torch.bfloat16,),
-                            ns=(4096,), archs=(90,))]
+                            ns=(4096,), archs=(90,)),
+         spills.spill_table(ops=("qk_norm_rope_per_layer_fwd_bwd",), dtypes=(torch.bfloat16,),
+                            ns=(4096, 65536), archs=(90, 80, 75))]
 out["rows"] = [row for t in table for row in t.to_dict("records")]
 print(json.dumps(out))
 """
@@ -70,13 +74,17 @@ def test_no_spills_at_sm90(report):
     kernels = {(r["op"], r["kernel"]) for r in rows}
     assert {("rms_norm_fwd_bwd", "rms_norm_bwd"), ("layer_norm_fwd_bwd", "layer_norm_bwd"),
             ("rms_norm_fwd_bwd", "sum_partials"),
-            ("qk_norm_per_layer_fwd_bwd", "qk_norm_bwd")} <= kernels
+            ("qk_norm_per_layer_fwd_bwd", "qk_norm_bwd"),
+            ("qk_norm_rope_per_layer_fwd_bwd", "qk_norm_rope_fwd"),
+            ("qk_norm_rope_per_layer_fwd_bwd", "qk_norm_rope_bwd")} <= kernels
     spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"] or r["stack"]]
     assert not spilled, spilled
 
 
 def test_compiles_for_sm80_and_sm75(report):
-    """Every kernel of rms_norm forward+backward at N = 32768 compiles for A100 and T4."""
+    """Every kernel of rms_norm forward+backward at N = 32768 and of the fused QK-Norm + RoPE
+    per layer (a row in one tile, and one read in tiles) compiles for A100 and T4."""
     for cc in (80, 75):
         got = {r["kernel"] for r in report["rows"] if r["cc"] == cc}
-        assert got == {"rms_norm_fwd", "rms_norm_bwd", "sum_partials"}, (cc, got)
+        assert got == {"rms_norm_fwd", "rms_norm_bwd", "sum_partials", "qk_norm_rope_fwd",
+                       "qk_norm_rope_bwd"}, (cc, got)

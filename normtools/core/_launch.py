@@ -233,7 +233,8 @@ class RowConfig:
     reason: str
 
 
-# CUDA_ROW_CONFIGS[(direction, element bytes)]: one row per range of N, first match wins.
+# CUDA_ROW_CONFIGS[(direction, element bytes)]: one row per range of N, first match wins
+# (direction "fwd" / "bwd"; "rope_fwd" / "rope_bwd" for the fused QK-Norm + RoPE kernels).
 # Checked ahead of time by normtools.measure.spills (0 B of spill at sm_90 for every row, and
 # every row compiles for sm_75 and sm_80) and normtools.measure.kernel_traffic (bytes touched).
 _ = None  # "the whole row"
@@ -271,6 +272,15 @@ CUDA_ROW_CONFIGS = {
                   "kernel spills 4 B with chunks of 4096: chunks of 2048"),
     ),
 }
+# The fused QK-Norm + RoPE kernels (kernels/qk_norm_rope.py) tile the heads of a token: their
+# row is q's Hq · 2 · next_power_of_2(head_dim / 2) values, cut into whole heads. Forward: the
+# rows of the norms. Backward: those too, but tiles of 2048 in 8 warps for rows past 8192.
+CUDA_ROW_CONFIGS["rope_fwd", 2] = CUDA_ROW_CONFIGS["fwd", 2]
+CUDA_ROW_CONFIGS["rope_fwd", 4] = CUDA_ROW_CONFIGS["fwd", 4]
+CUDA_ROW_CONFIGS["rope_bwd", 2] = CUDA_ROW_CONFIGS["bwd", 2][:-1] + (
+    RowConfig(1 << 62, 2048, 8, 2048, "per_layer rows past a tile, read twice; tiles of 4096 "
+              "in 16 warps spill 8 B at sm_90 (N = 65536: 2 heads of 2048): tiles of 2048"),)
+CUDA_ROW_CONFIGS["rope_bwd", 4] = CUDA_ROW_CONFIGS["bwd", 4]
 del _
 
 
@@ -293,7 +303,7 @@ def cuda_row_config(kernel, element_size, n):
     """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd") and a row of n elements."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
-    direction = kernel.rsplit("_", 1)[1]
+    direction = ("rope_" if kernel.startswith("qk_norm_rope") else "") + kernel.rsplit("_", 1)[1]
     table = CUDA_ROW_CONFIGS[direction, 4 if element_size >= 4 else 2]
     return next(config for config in table if n <= config.n_max)
 

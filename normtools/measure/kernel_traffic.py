@@ -35,16 +35,18 @@ import pandas as pd
 import torch
 import triton.runtime.interpreter as triton_interpreter
 
-from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
-from normtools.core.qk import qk_norm
 from normtools.core import _launch
-from normtools.measure.bench.plan import QK_OPS, make_inputs
+from normtools.core.rope import _launch_shape as rope_launch_shape
+from normtools.measure.bench.plan import QK_OPS
 from normtools.measure.bench.traffic import bytes_moved
+from normtools.measure.kernel_ops import op_inputs, run_on_triton
 
-# The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes.
+# The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes, and
+# the fused QK-Norm + RoPE.
 OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm", "layer_norm_fwd_bwd",
        "qk_norm_per_head", "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer",
-       "qk_norm_per_layer_fwd_bwd")
+       "qk_norm_per_layer_fwd_bwd", "qk_norm_rope_per_head", "qk_norm_rope_per_head_fwd_bwd",
+       "qk_norm_rope_per_layer", "qk_norm_rope_per_layer_fwd_bwd")
 ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
 SIMULATED_PROGRAMS = 2
 REAL_M = 4096
@@ -161,50 +163,33 @@ def simulated_shape(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT):
     """The shape a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
     (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
     QK-Norm: SIMULATED_PROGRAMS programs per head slot)."""
-    kernel = ("qk_norm" if op.startswith("qk_norm") else
-              "layer_norm" if op.startswith("layer_norm") else "rms_norm")
-    kernel += "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
+    direction = "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
+    if op.startswith("qk_norm_rope"):
+        with _launch.planning_for_cuda(sm_count):
+            plan = rope_launch_shape("qk_norm_rope" + direction, shape["T"], shape["Hq"],
+                                     shape["Hk"], shape["D"], "per_layer" in op, dtype, "cpu")[0]
+        return dict(shape, T=min(shape["T"], SIMULATED_PROGRAMS * plan.rows_per_program))
     if op.startswith("qk_norm"):
         per_head = "per_head" in op
         m, n = shape["T"], shape["D"] if per_head else shape["Hq"] * shape["D"]
         slots = shape["Hq"] + shape["Hk"] if per_head else 2
-        plan = _launch.launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots)
+        plan = _launch.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots)
         return dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
-    plan = _launch.launch_plan(kernel, dtype, shape["M"], shape["N"], "cuda", sm_count)
+    kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"
+    plan = _launch.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
+                               sm_count)
     return dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
-
-
-def _run(op, inputs):
-    """Run ``op`` (forward, and backward for *_fwd_bwd) on the triton backend."""
-    backward = op.endswith("_fwd_bwd")
-    base = op[:-len("_fwd_bwd")] if backward else op
-    tensors = {k: v.detach().requires_grad_(backward) for k, v in inputs.items()
-               if isinstance(v, torch.Tensor)}
-    if base.startswith("qk_norm"):
-        outs = qk_norm(tensors["q"], tensors["k"], tensors["q_w"], tensors["k_w"],
-                       head_dim=inputs["D"], scope=base[len("qk_norm_"):], backend="triton")
-    elif base == "rms_norm":
-        outs = (rms_norm(tensors["x"], tensors["w"], backend="triton"),)
-    elif base == "add_rms_norm":
-        outs = add_rms_norm(tensors["x"], tensors["residual"], tensors["w"], backend="triton")
-    else:
-        outs = (layer_norm(tensors["x"], tensors["w"], tensors.get("b"), backend="triton"),)
-    if backward:
-        torch.autograd.backward(outs, [torch.randn_like(o) for o in outs])
 
 
 def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_COUNT):
     """Counted bytes of one case: a dict with the simulated shape, the scale to the real
     shape, touched / unique bytes (scaled), the minimum, launches and the bytes by hint."""
     sim = simulated_shape(op, shape, dtype, sm_count)
-    base = op[:-len("_fwd_bwd")] if op.endswith("_fwd_bwd") else op
-    inputs = make_inputs(base if base in ("rms_norm", "add_rms_norm") or base in QK_OPS
-                         else "layer_norm", sim, dtype, "cpu")
-    inputs["D"] = shape.get("D")
+    inputs = op_inputs(op, sim, dtype)
     scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
     simulated_sms = max(1, SIMULATED_PROGRAMS // _launch.PROGRAMS_PER_SM)
     with _launch.planning_for_cuda(simulated_sms), counting_bytes() as counts:
-        _run(op, inputs)
+        run_on_triton(op, inputs)
     hints = defaultdict(int)
     for kb in counts.values():
         for hint, b in list(kb.loads.items()) + list(kb.stores.items()):

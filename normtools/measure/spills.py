@@ -36,9 +36,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
-from normtools.core.qk import qk_norm
 from normtools.core import _launch
+from normtools.measure.kernel_ops import op_inputs, op_shape, run_on_triton
 
 ARCHS = (90, 80, 75)
 ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
@@ -46,7 +45,8 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The ops whose launches are compiled; QK-Norm at Hq = 32, Hk = 8 heads of head_dim N / 32 per
 # layer (per_layer row of N) and of head_dim 64 / 128 / 256 per head.
 OPS = ("rms_norm_fwd_bwd", "add_rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
-       "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd")
+       "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd",
+       "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
 QK_HEAD_DIMS = (64, 128, 256)
 _REPORT = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
                      r".*?Used (\d+) registers", re.S)
@@ -60,32 +60,11 @@ def ptxas_path():
 
 def record_launches(op, dtype, n, m=64):
     """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
-    (QK per head: head_dim n, 32 q and 8 k heads; per layer: 32 q heads of n / 32) with the
-    CUDA launch plan: a list of ``_launch.RecordedLaunch``."""
-    backward = op.endswith("_fwd_bwd")
-    base = op.removesuffix("_fwd_bwd")
+    (``kernel_ops.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
+    heads of n / 32) with the CUDA launch plan: a list of ``_launch.RecordedLaunch``."""
+    inputs = op_inputs(op, op_shape(op, n, m), dtype)
     with _launch.planning_for_cuda(), _launch.recording_launches() as launches:
-        if base.startswith("qk_norm"):
-            hq, hk = 32, 8
-            d = n if base == "qk_norm_per_head" else n // hq
-            per_head = base == "qk_norm_per_head"
-            q = torch.zeros(m, hq * d, dtype=dtype, requires_grad=backward)
-            k = torch.zeros(m, hk * d, dtype=dtype, requires_grad=backward)
-            qw = torch.ones(d if per_head else hq * d, dtype=dtype, requires_grad=backward)
-            kw = torch.ones(d if per_head else hk * d, dtype=dtype, requires_grad=backward)
-            outs = qk_norm(q, k, qw, kw, head_dim=d, scope=base[len("qk_norm_"):], backend="triton")
-        else:
-            x = torch.zeros(m, n, dtype=dtype, requires_grad=backward)
-            w = torch.ones(n, dtype=dtype, requires_grad=backward)
-            if base == "rms_norm":
-                outs = (rms_norm(x, w, backend="triton"),)
-            elif base == "add_rms_norm":
-                outs = add_rms_norm(x, torch.zeros_like(x), w, backend="triton")
-            else:
-                b = torch.zeros(n, dtype=dtype, requires_grad=backward)
-                outs = (layer_norm(x, w, b, backend="triton"),)
-        if backward:
-            torch.autograd.backward(outs, [torch.zeros_like(o) for o in outs])
+        run_on_triton(op, inputs)
     return launches
 
 
@@ -140,7 +119,8 @@ def _compile_cached(key, kernel, signature, constexprs, attrs, options, cc):
 
 def _constexpr_summary(launch):
     """The launch's block sizes and flags, e.g. "BLOCK_M=1 BLOCK_N=8192 SINGLE_PASS=1 w=16"."""
-    names = ("BLOCK_M", "BLOCK_N", "ROWS", "BLOCK_NQ", "BLOCK_NK", "BLOCK_P", "SINGLE_PASS")
+    names = ("BLOCK_M", "BLOCK_N", "ROWS", "BLOCK_NQ", "BLOCK_NK", "BLOCK_HQ", "BLOCK_HK",
+             "BLOCK_P", "SINGLE_PASS")
     parts = [f"{k}={int(v)}" for k, v in launch.kwargs.items() if k in names]
     return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"])
 
@@ -152,7 +132,7 @@ def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=ARCHS, qk_head_dim
     rows = []
     for op in ops:
         for dtype in dtypes:
-            lengths = qk_head_dims if op.startswith("qk_norm_per_head") else ns
+            lengths = qk_head_dims if "per_head" in op else ns
             for n in lengths:
                 launches = record_launches(op, dtype, n)
                 for launch in launches:
