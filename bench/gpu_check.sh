@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One command for a lent GPU (H200), one run, every number: the GPU-marked kernel and bench
 # tests, the benchmark (a first pass of the target ops, the bundled models' real shapes in
-# prefill and decode, then the full sweep) and the model-level benchmark (a full-width layer
-# stack before and after normtools.patch). Installs nothing from the network. At most ~8 minutes.
+# prefill and decode, QK-Norm + RoPE included, then the full sweep) and the model-level
+# benchmark (a full-width layer stack before and after normtools.patch). Installs nothing from
+# the network. At most ~8 minutes.
 #
 #   bench/gpu_check.sh                the real check (needs CUDA)
 #   bench/gpu_check.sh --dry-run      on any machine: walks every step without timing anything
@@ -36,7 +37,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1 ;;
     --dry-run) DRY=1 ;;
     --commit) COMMIT="${2:?--commit needs a value}"; shift ;;
-    -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -49,8 +50,12 @@ OUT="$(cd "$OUT" && pwd)"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 case "$PY" in /*) ;; */*) PY="$PWD/$PY" ;; esac    # Python runs from another directory
 TOTAL_S=470          # the whole script, with margin under 8 minutes
-TEST_S=150           # pytest, then SIGINT (junit is still written), KILL 20 s later
-MODEL_S=80           # the model-level benchmark
+TEST_S=120           # pytest, then SIGINT (junit is still written), KILL 20 s later
+MODEL_S=70           # the model-level benchmark
+# The bench gets the rest (about 220 s): by the plan's estimate the whole first pass and most
+# real shapes (every model's RMSNorm and QK-Norm, with and without RoPE, prefill and decode;
+# cases.REAL_SHAPE_ORDER) start; the full sweep starts only if time is left. The dry run prints
+# how many cases of each phase and regime start.
 START=$SECONDS
 RUN_DIR="$REPO"      # where Python runs (the shim's root when the shim is used)
 WORK="$(mktemp -d)"

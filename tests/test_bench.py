@@ -44,6 +44,17 @@ def _traffic_from_tensors(op, t):
     if op == "layer_norm":
         y = normtools.layer_norm(t["x"], t["w"], t["b"], backend="torch")
         return _nbytes(t["x"], t["w"], t["b"], y)
+    if op.startswith("qk_norm_rope_"):
+        scope = "per_head" if "per_head" in op else "per_layer"
+        inputs = (t["q"], t["k"], t["q_w"], t["k_w"], t["cos"], t["sin"])
+        q_out, k_out = normtools.qk_norm_rope(*inputs, head_dim=QK_SHAPE["D"], scope=scope,
+                                              backend="torch")
+        forward = _nbytes(*inputs, q_out, k_out)
+        if not op.endswith("_fwd_bwd"):
+            return forward
+        grads = torch.autograd.grad((q_out, k_out), (t["q"], t["k"], t["q_w"], t["k_w"]),
+                                    (t["dq_out"], t["dk_out"]))
+        return forward + _nbytes(*inputs, t["dq_out"], t["dk_out"], *grads)
     scope = op.removeprefix("qk_norm_")
     q_out, k_out = normtools.qk_norm(t["q"], t["k"], t["q_w"], t["k_w"], head_dim=QK_SHAPE["D"],
                                      scope=scope, backend="torch")
@@ -402,7 +413,7 @@ def test_real_shape_cases_are_the_bundled_models_layouts():
                 assert (c.shape["N"],) == hidden, (name, c)
             else:
                 q_norm, k_norm = weights["self_attn.q_norm.weight"], weights["self_attn.k_norm.weight"]
-                if c.op == "qk_norm_per_head":
+                if "per_head" in c.op:   # QK-Norm, alone or fused with RoPE
                     assert (c.shape["D"],) == q_norm == k_norm, (name, c)
                 else:
                     assert (c.shape["Hq"] * c.shape["D"],) == q_norm, (name, c)
@@ -488,6 +499,41 @@ def test_liger_is_called_as_its_benchmark_does(monkeypatch):
     ops["rms_norm"](t)
     ops["add_rms_norm"](t)
     assert calls == [("rms", True), ("add", True)]
+    # no fused QK-Norm + RoPE in Liger: skipped with that reason, not composed behind its name
+    for op in ("qk_norm_rope_per_head", "qk_norm_rope_per_layer_fwd_bwd"):
+        with pytest.raises(backends.Unavailable, match="no fused QK-Norm \\+ RoPE"):
+            backends.backend_fn(op, "liger", "cuda", QK_SHAPE)
+
+
+@pytest.mark.parametrize("op", bench.plan.QK_ROPE_OPS)
+def test_qk_norm_rope_backends_compute_transformers_rope_after_the_norm(op):
+    """torch-F's composition (F.rms_norm, then the rotation) and normtools against an
+    independent float64 QK-Norm + apply_rotary_pos_emb, forward and gradients."""
+    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb
+
+    t = bench.make_inputs(op, QK_SHAPE, torch.float32, "cpu")
+    d, per_head = QK_SHAPE["D"], "per_head" in op
+
+    def expected(t64):
+        def norm(x, w):
+            rows = x.view(x.shape[0], -1, d) if per_head else x
+            rms = rows.pow(2).mean(-1, keepdim=True).add(bench.plan.RMS_EPS).rsqrt()
+            return (rows * rms).view(x.shape) * (w.repeat(x.shape[1] // d) if per_head else w)
+        q, k = norm(t64["q"], t64["q_w"]), norm(t64["k"], t64["k_w"])
+        heads = lambda x: x.view(x.shape[0], -1, d).transpose(0, 1)[None]   # (1, H, T, D)
+        qr, kr = apply_rotary_pos_emb(heads(q), heads(k), t64["cos"][None], t64["sin"][None])
+        flat = lambda x: x[0].transpose(0, 1).reshape(x.shape[2], -1)
+        return flat(qr), flat(kr)
+
+    t64 = {name: v.detach().double().requires_grad_(v.requires_grad) for name, v in t.items()}
+    want = expected(t64)
+    if op.endswith("_fwd_bwd"):
+        want = torch.autograd.grad(want, [t64[n] for n in ("q", "k", "q_w", "k_w")],
+                                   (t64["dq_out"], t64["dk_out"]))
+    for backend in ("normtools-torch", "torch-F", "normtools-triton"):
+        got = bench.backend_fn(op, backend, "cpu", QK_SHAPE)(t)
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, rtol=1e-5, atol=1e-5)
 
 
 def _fake_liger_wheel(folder):
@@ -533,9 +579,22 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     total, budget, started = re.search(
         r"estimated total (\d+) s; budget (\d+) s: (\d+) of \d+ cases start", plan).groups()
     assert int(started) > 0
+    # within the bench's budget: the whole first pass, and real shapes of both regimes,
+    # QK-Norm + RoPE among them
+    first = re.search(r"first pass: (\d+) of (\d+) start", plan)
+    assert first and first.group(1) == first.group(2), plan[-800:]
+    real = re.search(r"real shapes: (\d+) of \d+ start, prefill (\d+) of \d+, "
+                     r"decode (\d+) of \d+, qk_norm_rope (\d+) of \d+", plan)
+    assert real and all(int(n) > 0 for n in real.groups()), plan[-800:]
     for name in ("pytest-gpu.xml", "bench-h200.json", "model-h200.json", "summary.md"):
         assert name in log
     assert "full-width stack: 4 layers, hidden 4096" in log
+    # the stages' limits add up within the script's, which stays under 8 minutes
+    stages = re.search(r"estimated: tests ≤ (\d+) s \+ bench ≤ (\d+) s \+ model ≤ (\d+) s "
+                       r"\(script limit (\d+) s\)", log)
+    assert stages, log[-2000:]
+    *parts, limit = map(int, stages.groups())
+    assert sum(parts) <= limit <= 480 and int(budget) == parts[1]
 
 
 def test_targets_report_keeps_warm_and_rotated_decode_apart():

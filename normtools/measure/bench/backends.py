@@ -5,7 +5,7 @@ from importlib import import_module, util
 
 import torch
 
-from normtools.measure.bench.plan import BACKENDS, LAYER_EPS, RMS_EPS
+from normtools.measure.bench.plan import BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS
 
 # ---------------------------------------------------------------------------------- backends
 
@@ -17,7 +17,10 @@ def _composed_ops(rms, layer, head_dim):
     """The ops composed from ``rms(x, w, eps)`` and ``layer(x, w, b, eps)`` over the last dim.
 
     add_rms_norm is ``summed = x + residual`` then ``rms(summed)``; QK-Norm is one ``rms`` call on
-    q and one on k, viewed as (T, H, D) per head. Returns {op: fn(inputs) -> output(s)}.
+    q and one on k, viewed as (T, H, D) per head. QK-Norm + RoPE: that QK-Norm, then
+    ``reference.rope_reference`` (transformers' ``apply_rotary_pos_emb``: plain PyTorch ops) on
+    each (T, H, D) head, the (T, D) tables broadcast over the heads.
+    Returns {op: fn(inputs) -> output(s)}.
     """
     def per_head(x, w):
         return rms(x.view(x.shape[0], -1, head_dim), w, RMS_EPS).view(x.shape)
@@ -26,6 +29,19 @@ def _composed_ops(rms, layer, head_dim):
         summed = t["x"] + t["residual"]
         return rms(summed, t["w"], RMS_EPS), summed
 
+    from normtools.core.reference import rope_reference
+
+    def rotated(y, t):
+        heads = y.view(y.shape[0], -1, head_dim)
+        return rope_reference(heads, t["cos"][:, None], t["sin"][:, None]).view(y.shape)
+
+    def qk_rope(t, scope):
+        if scope == "per_head":
+            q, k = per_head(t["q"], t["q_w"]), per_head(t["k"], t["k_w"])
+        else:
+            q, k = rms(t["q"], t["q_w"], RMS_EPS), rms(t["k"], t["k_w"], RMS_EPS)
+        return rotated(q, t), rotated(k, t)
+
     return {
         "rms_norm": lambda t: rms(t["x"], t["w"], RMS_EPS),
         "add_rms_norm": add_rms_norm,
@@ -33,16 +49,23 @@ def _composed_ops(rms, layer, head_dim):
         "qk_norm_per_head": lambda t: (per_head(t["q"], t["q_w"]), per_head(t["k"], t["k_w"])),
         "qk_norm_per_layer": lambda t: (rms(t["q"], t["q_w"], RMS_EPS),
                                         rms(t["k"], t["k_w"], RMS_EPS)),
+        "qk_norm_rope_per_head": partial(qk_rope, scope="per_head"),
+        "qk_norm_rope_per_layer": partial(qk_rope, scope="per_layer"),
     }
 
 
 def _normtools_ops(backend, head_dim):
     from normtools.core import ops
     from normtools.core.qk import qk_norm
+    from normtools.core.rope import qk_norm_rope
 
     def qk(t, scope):
         return qk_norm(t["q"], t["k"], t["q_w"], t["k_w"], RMS_EPS, head_dim=head_dim,
                        scope=scope, backend=backend)
+
+    def qk_rope(t, scope):
+        return qk_norm_rope(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"], t["sin"], RMS_EPS,
+                            head_dim=head_dim, scope=scope, backend=backend)
 
     return {
         "rms_norm": lambda t: ops.rms_norm(t["x"], t["w"], RMS_EPS, backend=backend),
@@ -51,6 +74,8 @@ def _normtools_ops(backend, head_dim):
         "layer_norm": lambda t: ops.layer_norm(t["x"], t["w"], t["b"], LAYER_EPS, backend=backend),
         "qk_norm_per_head": partial(qk, scope="per_head"),
         "qk_norm_per_layer": partial(qk, scope="per_layer"),
+        "qk_norm_rope_per_head": partial(qk_rope, scope="per_head"),
+        "qk_norm_rope_per_layer": partial(qk_rope, scope="per_layer"),
     }
 
 
@@ -102,7 +127,8 @@ def _liger_ops(device, head_dim):
     def rms(x, w, eps):
         return functional.liger_rms_norm(x, w, eps, in_place=True)
 
-    ops = _composed_ops(rms, functional.liger_layer_norm, head_dim)
+    ops = {op: fn for op, fn in _composed_ops(rms, functional.liger_layer_norm, head_dim).items()
+           if op not in QK_ROPE_OPS}   # no fused QK-Norm + RoPE in Liger: see _NOT_OFFERED
     fused_add = getattr(functional, "liger_fused_add_rms_norm", None)
     if fused_add is not None:
         ops["add_rms_norm"] = lambda t: fused_add(t["x"], t["residual"], t["w"], RMS_EPS,
@@ -117,11 +143,26 @@ def _with_backward(forward):
     return fwd_bwd
 
 
+def _qk_with_backward(forward):
+    """forward + backward of a QK op: (q_out, k_out) = forward(t); return (dq, dk, dq_w, dk_w)
+    = ∂(⟨q_out, dq_out⟩ + ⟨k_out, dk_out⟩)/∂(q, k, q_w, k_w)."""
+    def fwd_bwd(t):
+        return torch.autograd.grad(forward(t), (t["q"], t["k"], t["q_w"], t["k_w"]),
+                                   (t["dq_out"], t["dk_out"]))
+    return fwd_bwd
+
+
 def _no_grad(fn):
     def call(t):
         with torch.no_grad():
             return fn(t)
     return call
+
+
+# Ops a backend does not offer, and why (the reason recorded in the skipped rows).
+_NOT_OFFERED = {("liger", f"qk_norm_rope_{scope}"):
+                "Liger-Kernel has no fused QK-Norm + RoPE (its RMSNorm and its RoPE are separate "
+                "kernels, two passes over q and k)" for scope in ("per_head", "per_layer")}
 
 
 def backend_fn(op, backend, device, shape):
@@ -137,8 +178,13 @@ def backend_fn(op, backend, device, shape):
     if backend not in builders:
         raise ValueError(f"unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
     ops = builders[backend]()
+    forward = op.removesuffix("_fwd_bwd")
+    if forward not in ops:
+        raise Unavailable(_NOT_OFFERED.get((backend, forward), f"{backend} has no {op}"))
     if op == "rms_norm_fwd_bwd":
         return _with_backward(ops["rms_norm"])
+    if op.endswith("_fwd_bwd"):
+        return _qk_with_backward(ops[forward])
     return _no_grad(ops[op])
 
 

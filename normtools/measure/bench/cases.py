@@ -13,7 +13,9 @@ again, as a decode step finds its small activations in cache).
   ``prefill_tokens`` tokens (forward, and forward + backward as in training). Decode:
   ``decode_batch`` sequences, one new token each (forward only), with warm and rotated inputs.
   Block norms run as ``rms_norm`` and ``add_rms_norm`` (the residual add fused) at the hidden
-  size; QK-Norm as per head (head_dim) or per layer (heads · head_dim) with the model's heads.
+  size; QK-Norm as per head (head_dim) or per layer (heads · head_dim) with the model's heads,
+  alone and fused with RoPE (``qk_norm_rope_*``, forward + backward in prefill too; the
+  rotation over the whole head).
 * ``synthetic_cases``: every op at N = 1K … 128K and the QK layouts of ``plan.default_shapes``.
 
 Synthetic cases (first pass and sweep) move at least ``MIN_CASE_BYTES`` = 256 MiB
@@ -39,6 +41,12 @@ SWEEP_QK = ((32, 8, 128),) + tuple((hq, hk, d) for d in (64, 128, 256)
                                    for hq, hk in ((32, 8), (64, 8), (16, 16))
                                    if (hq, hk, d) != (32, 8, 128))
 PREFILL_TOKENS, DECODE_BATCH = 8192, 64
+# The order of the real shapes, so that a run cut by its budget keeps the most telling ones:
+# the block norm and QK-Norm (alone, then fused with RoPE) of every model in both regimes, then
+# the backward passes, then the fused residual add.
+REAL_SHAPE_ORDER = ("rms_norm", "qk_norm_per_head", "qk_norm_per_layer", "qk_norm_rope_per_head",
+                    "qk_norm_rope_per_layer", "rms_norm_fwd_bwd", "qk_norm_rope_per_head_fwd_bwd",
+                    "qk_norm_rope_per_layer_fwd_bwd", "add_rms_norm")
 _ROW_MULTIPLE = 64   # scaled M and T are rounded up to a multiple of this
 
 
@@ -127,7 +135,8 @@ def model_layouts():
 
 def real_shape_cases(prefill_tokens=PREFILL_TOKENS, decode_batch=DECODE_BATCH, ops=OPS):
     """The bundled models' shapes in the prefill and decode regimes (see the module docstring);
-    models that share a shape share its case (``models`` lists them)."""
+    models that share a shape share its case (``models`` lists them). In the order of
+    ``REAL_SHAPE_ORDER`` (by op; the models and regimes in their order within an op)."""
     regimes = (("prefill", 1, prefill_tokens, ("rotated",)),
                ("decode", decode_batch, 1, ("warm", "rotated")))
     grouped = {}
@@ -138,8 +147,10 @@ def real_shape_cases(prefill_tokens=PREFILL_TOKENS, decode_batch=DECODE_BATCH, o
             if regime == "prefill":
                 wanted.append(("rms_norm_fwd_bwd", {"M": t, "N": hidden}))
             if scope in ("per_head", "per_layer"):
-                wanted.append((f"qk_norm_{scope}",
-                               {"T": t, "Hq": heads, "Hk": kv_heads, "D": head_dim}))
+                qk_shape = {"T": t, "Hq": heads, "Hk": kv_heads, "D": head_dim}
+                wanted += [(f"qk_norm_{scope}", qk_shape), (f"qk_norm_rope_{scope}", qk_shape)]
+                if regime == "prefill":
+                    wanted.append((f"qk_norm_rope_{scope}_fwd_bwd", qk_shape))
             for op, shape in wanted:
                 if op not in ops:
                     continue
@@ -147,9 +158,10 @@ def real_shape_cases(prefill_tokens=PREFILL_TOKENS, decode_batch=DECODE_BATCH, o
                     key = (op, tuple(shape.items()), regime, cache)
                     grouped.setdefault(key, {"batch": batch, "tokens": tokens, "models": []})
                     grouped[key]["models"].append(model)
-    return [Case("real shapes", op, dict(shape), cache=cache, regime=regime,
-                 models=tuple(v["models"]), batch=v["batch"], tokens_per_sequence=v["tokens"])
-            for (op, shape, regime, cache), v in grouped.items()]
+    cases = [Case("real shapes", op, dict(shape), cache=cache, regime=regime,
+                  models=tuple(v["models"]), batch=v["batch"], tokens_per_sequence=v["tokens"])
+             for (op, shape, regime, cache), v in grouped.items()]
+    return sorted(cases, key=lambda case: REAL_SHAPE_ORDER.index(case.op))
 
 
 def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=("first pass", "real shapes", "sweep"),

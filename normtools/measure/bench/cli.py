@@ -88,6 +88,16 @@ def _dry_run(args, device, dtype):
     fitting = sum(r["runs"] for r in rows)
     budget = "no budget" if args.budget_s is None else f"budget {args.budget_s:.0f} s"
     print(f"estimated total {total:.0f} s; {budget}: {fitting} of {len(rows)} cases start")
+    for phase in dict.fromkeys(r["phase"] for r in rows):
+        mine = [r for r in rows if r["phase"] == phase]
+        parts = [f"{phase}: {sum(r['runs'] for r in mine)} of {len(mine)} start"]
+        for regime in dict.fromkeys(r["regime"] for r in mine if r["regime"] != "-"):
+            of = [r for r in mine if r["regime"] == regime]
+            parts.append(f"{regime} {sum(r['runs'] for r in of)} of {len(of)}")
+        rope = [r for r in mine if r["op"].startswith("qk_norm_rope")]
+        if rope:
+            parts.append(f"qk_norm_rope {sum(r['runs'] for r in rope)} of {len(rope)}")
+        print("  " + ", ".join(parts))
     print(f"would write: {args.out or '(no results file)'}, {args.summary or '(no summary)'}")
     return 0
 

@@ -3,14 +3,13 @@
 import torch
 
 ROW_OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm")
-# Fused QK-Norm + RoPE, forward and forward+backward (normtools.qk_norm_rope); not yet timed by
-# the sweep (OPS), but make_inputs and bytes_moved know them.
+# Fused QK-Norm + RoPE, forward and forward+backward (normtools.qk_norm_rope).
 QK_ROPE_OPS = ("qk_norm_rope_per_head", "qk_norm_rope_per_layer",
                "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
 QK_OPS = ("qk_norm_per_head", "qk_norm_per_layer") + QK_ROPE_OPS
 # Sweep order: the ops with performance targets first, so a time budget cuts the others.
 OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head", "add_rms_norm", "layer_norm",
-       "qk_norm_per_layer")
+       "qk_norm_per_layer") + QK_ROPE_OPS
 BACKENDS = ("normtools-triton", "normtools-torch", "torch-F", "torch-compile", "liger")
 RMS_EPS, LAYER_EPS = 1e-6, 1e-5
 ROPE_THETA = 10000.0
@@ -58,7 +57,7 @@ def make_inputs(op, shape, dtype, device, seed=0):
     output gradients dq_out (T, Hq·D), dk_out (T, Hk·D) (q, k, q_w, k_w then require grad).
     """
     if op not in OPS + QK_OPS:
-        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS + QK_ROPE_OPS)}")
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
     g = torch.Generator(device=device).manual_seed(seed)
 
     def randn(*size, scale=1.0, base=0.0):

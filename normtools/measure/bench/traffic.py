@@ -38,5 +38,5 @@ def bytes_moved(op, shape, dtype):
     per_op = {"rms_norm": 2 * act + row, "rms_norm_fwd_bwd": 5 * act + 3 * row,
               "add_rms_norm": 4 * act + row, "layer_norm": 2 * act + 2 * row}
     if op not in per_op:
-        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS + QK_ROPE_OPS)}")
+        raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
     return per_op[op]
