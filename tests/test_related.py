@@ -191,3 +191,38 @@ def test_depth_profiles_takes_ids_or_an_inputs_targets_pair():
     from_ids = related.depth_profiles(["Mix-LN"], ids, [0], config)
     from_pair = related.depth_profiles(["Mix-LN"], (ids[:, :-1], ids[:, 1:]), [0], config)
     np.testing.assert_allclose(from_pair["grad_norm"], from_ids["grad_norm"], rtol=1e-6)
+
+
+def test_train_designs_scores_spikes_with_the_window_it_is_given():
+    """A run no longer than the window has no spike score (NaN); with a shorter window (chapter
+    4a's adaptation, scaled down here) it has one, equal to spike_score of its gradient norms."""
+    from normtools.lab.experiments import run_cell
+    from normtools.lab.train import spike_score
+
+    config = TinyLMConfig.from_size("test", max_seq_len=16, backend="torch")
+    kwargs = dict(lrs=[1e-2], seeds=[0], steps=6, batch_size=2, eval_batches=0)
+    default = related.train_designs(["Pre-LN"], load_corpus(), config, **kwargs)
+    assert np.isnan(default["grad_norm_spike_score"]).all()
+    short = related.train_designs(["Pre-LN"], load_corpus(), config, spike_window=3, spike_k=0.5, **kwargs)
+    run = run_cell({"placement": "pre", "lr": 1e-2}, load_corpus(), config, steps=6, batch_size=2,
+                   seed=0, eval_batches=0)
+    assert short["grad_norm_spike_score"].iloc[0] == pytest.approx(
+        spike_score(run.records["grad_norm"], 3, 0.5))
+
+
+def test_glossary_terms_of_this_chapter_point_to_its_sections():
+    """Every glossary entry that points to chapter 7 names one of its section labels, and that
+    label is defined in the chapter ("(label)=" in a markdown cell)."""
+    import json
+    import re
+    from pathlib import Path
+
+    from normtools.book.glossary import TERMS
+
+    nb = json.loads((Path(__file__).resolve().parents[1] / "book" / "07_related.ipynb").read_text())
+    labels = set(re.findall(r"^\(([\w-]+)\)=$", "\n".join(
+        "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"), re.M))
+    terms = [t for t in TERMS if t.chapter == "07_related"]
+    assert {"DeepNorm", "Admin", "Mix-LN", "LayerNorm Scaling", "nGPT", "DyT"} <= {t.term for t in terms}
+    for t in terms:
+        assert t.section in labels, (t.term, t.section)

@@ -9,7 +9,9 @@ the table, ``python -m normtools.book.glossary book/06_glossary.ipynb`` rewrites
 
 Each entry: the English ``term`` as the book writes it, a one-line ``definition`` (MyST inline
 markup allowed: math, ``{cite}``), the ``chapter`` (document name, e.g. ``"01_definition"``)
-where the term matters most, and the Vietnamese term (``vietnamese``).
+where the term matters most, the Vietnamese term (``vietnamese``), and optionally the
+``section``: the label of the chapter's section on the term (e.g. ``"related-ngpt"``), which
+the entry links with ``{ref}``.
 """
 
 import json
@@ -26,6 +28,7 @@ class Term:
     definition: str
     chapter: str
     vietnamese: str
+    section: str = ""
 
 
 TERMS = (
@@ -138,9 +141,36 @@ TERMS = (
          "training, often before a loss spike {cite}`olmo2024olmo2`.", "04a_profiling_stability",
          "đột biến chuẩn gradient"),
     Term("DyT", "Dynamic Tanh, $y = w \\tanh(\\alpha x) + b$, proposed as a drop-in replacement "
-         "for the norm layers {cite}`zhu2025dyt`.", "07_related", "Tanh động (DyT)"),
+         "for the norm layers {cite}`zhu2025dyt`.", "07_related", "Tanh động (DyT)",
+         "related-dyt"),
     Term("nGPT", "A Transformer whose hidden states and weights are kept on the unit hypersphere "
-         "{cite}`loshchilov2025ngpt`.", "07_related", "Transformer chuẩn hoá (nGPT)"),
+         "{cite}`loshchilov2025ngpt`.", "07_related", "Transformer chuẩn hoá (nGPT)",
+         "related-ngpt"),
+    # --- the designs of chapter 7 ---------------------------------------------------------
+    Term("DeepNorm", "Post-LN with the residual up-weighted, $\\mathrm{LN}(\\alpha x + f(x))$, and "
+         "some projections initialized smaller by $\\beta$ {cite}`wang2022deepnet`.",
+         "07_related", "DeepNorm (chuẩn hoá cho mạng rất sâu)", "related-deepnorm"),
+    Term("Admin", "Post-LN with a learned per-feature residual weight $\\omega_i$ set by a "
+         "profiling pass at initialization {cite}`liu2020admin`.", "07_related",
+         "khởi tạo mô hình thích ứng (Admin)", "related-deepnorm"),
+    Term("res-post-norm", "Swin Transformer V2's norm on each sublayer's output inside the "
+         "residual branch, $x + \\mathrm{N}(f(x))$; OLMo 2's reordered norm "
+         "{cite}`liu2022swinv2`.", "07_related", "chuẩn hoá sau nhánh dư (res-post-norm)",
+         "related-swinv2"),
+    Term("Peri-LN", "The sandwich norm under the name of its study of large-scale training "
+         "{cite}`kim2025periln`.", "07_related", "Peri-LN (chuẩn hoá bao quanh)", "related-periln"),
+    Term("Mix-LN", "Post-LN in the first layers and Pre-LN in the others {cite}`li2025mixln`.",
+         "07_related", "Mix-LN (trộn Post-LN và Pre-LN)", "related-periln"),
+    Term("LayerNorm Scaling", "Pre-LN with each norm's output scaled by $1/\\sqrt{\\ell}$ in layer "
+         "$\\ell$, against the growth of the residual stream with depth {cite}`sun2025curse`.",
+         "07_related", "co giãn LayerNorm theo độ sâu", "related-lns"),
+    Term("soft-capping", "Bounding the attention logits by $c \\tanh(s / c)$ before the softmax; "
+         "Gemma 2 {cite}`gemma2024gemma2`.", "07_related", "giới hạn mềm logit (soft-capping)",
+         "related-softcap"),
+    Term("z-loss", "An auxiliary loss $10^{-4} \\log^2 Z$ on the softmax normalizer of the output "
+         "logits, from PaLM {cite}`chowdhery2022palm,wortsman2023smallscale`.", "07_related",
+         "hàm mất mát z (z-loss)",
+         "related-softcap"),
     # --- kernels and checking -----------------------------------------------------------------
     Term("kernel", "One GPU program launch; normtools' kernels are written in Triton "
          "{cite}`tillet2019triton`.", "04b_profiling_kernels", "nhân tính toán (kernel)"),
@@ -168,6 +198,8 @@ def _check_terms(terms):
             value = getattr(t, field)
             if not value or "\n" in value:
                 raise ValueError(f"{t.term!r}: {field} must be one non-empty line")
+        if "\n" in t.section or " " in t.section:
+            raise ValueError(f"{t.term!r}: section must be one label, got {t.section!r}")
         if t.term.lower() in seen:
             raise ValueError(f"duplicate glossary term {t.term!r}")
         seen.add(t.term.lower())
@@ -177,12 +209,14 @@ def to_myst(terms=TERMS) -> str:
     """The glossary as a MyST ``{glossary}`` directive (sorted), one entry per term:
 
         term
-          definition *Vietnamese:* … See {doc}`chapter`.
+          definition *Vietnamese:* … [*Section:* {ref}`label`.] See {doc}`chapter`.
     """
     _check_terms(terms)
     lines = ["```{glossary}", ":sorted:", ""]
     for t in terms:
-        lines += [t.term, f"  {t.definition} *Vietnamese:* {t.vietnamese}. See {{doc}}`{t.chapter}`.", ""]
+        section = f" *Section:* {{ref}}`{t.section}`." if t.section else ""
+        lines += [t.term, f"  {t.definition} *Vietnamese:* {t.vietnamese}.{section} "
+                          f"See {{doc}}`{t.chapter}`.", ""]
     lines[-1] = "```"
     return "\n".join(lines)
 

@@ -10,7 +10,8 @@ A *design* is a label and the :class:`normtools.lab.tinylm.TinyLMConfig` fields 
   and the last layer;
 * :func:`train_designs` — :func:`normtools.lab.experiments.run_cell` per design, learning rate
   and seed, summarized per run by :func:`normtools.lab.experiments.summarize` (final validation
-  loss, peak attention logit, gradient-norm spike score, diverged: the criteria of chapter 4a).
+  loss, peak attention logit, gradient-norm spike score, diverged: the criteria of chapter 4a;
+  for short runs pass chapter 4a's adapted spike window, ``studies.STUDIES["spikes"]``).
 
 :func:`seed_spread` gives each design's mean, min and max of a metric over the seeds, and
 :func:`versus` compares two designs by whether their ranges over the seeds overlap.
@@ -31,6 +32,7 @@ from normtools.cards.atlas import atlas_rows, atlas_spec, load_atlas
 from normtools.lab.experiments import run_cell, summarize
 from normtools.lab.probes import depth_profile, split_batch
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
+from normtools.lab.train import OLMO2_SPIKE_K, OLMO2_SPIKE_WINDOW
 
 #: label → TinyLMConfig fields. The first two are the baselines of the seed chapters.
 DESIGNS = {
@@ -113,11 +115,13 @@ def depth_summary(profiles) -> "pandas.DataFrame":
 
 
 def train_designs(names, data, base_config: TinyLMConfig, lrs, seeds, *, steps: int,
-                  batch_size: int, **run_kwargs) -> "pandas.DataFrame":
+                  batch_size: int, spike_window: int = OLMO2_SPIKE_WINDOW,
+                  spike_k: float = OLMO2_SPIKE_K, **run_kwargs) -> "pandas.DataFrame":
     """Train each design at each peak learning rate with each seed
     (:func:`normtools.lab.experiments.run_cell`: same initialization of shared weights and same
     batches per seed); one row per run, :func:`normtools.lab.experiments.summarize`'s columns
-    with ``design`` and ``seed`` in front."""
+    (spike scores with ``spike_window`` and ``spike_k``: OLMo 2's by default, NaN for runs no
+    longer than the window) with ``design`` and ``seed`` in front."""
     import pandas as pd
 
     frames = []
@@ -126,7 +130,7 @@ def train_designs(names, data, base_config: TinyLMConfig, lrs, seeds, *, steps: 
             for seed in seeds:
                 run = run_cell({**fields, "lr": lr}, data, base_config, steps=steps,
                                batch_size=batch_size, seed=seed, **run_kwargs)
-                row = summarize([run])
+                row = summarize([run], spike_window, spike_k)
                 row.insert(0, "seed", seed)
                 row.insert(0, "design", name)
                 frames.append(row)

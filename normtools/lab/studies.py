@@ -1,4 +1,5 @@
-"""Committed studies: the stability chapter's runs that exceed its 2-minute budget.
+"""Committed studies: the runs of the stability chapter (4a) and of chapter 7 ("Related") that
+exceed a chapter's 2-minute budget.
 
 A study is a set of TinyLM training runs (variants × learning rates × seeds) at one ``size``
 of :data:`normtools.lab.experiments.STABILITY_SIZES`. ``normtools lab run STUDY`` trains it and
@@ -27,6 +28,7 @@ import torch
 
 from normtools.lab import experiments
 from normtools.lab.data import CORPUS_SHA256, load_corpus
+from normtools.lab.related import DESIGNS, TRAINED_DESIGNS
 from normtools.lab.tinylm import TinyLMConfig
 
 #: Per-step records kept in the JSON (rounded to 4 significant digits).
@@ -106,6 +108,14 @@ STUDIES = {
          "bf16, QK-Norm": {**_BASE, "qk_norm": "per_head", "precision": "bf16"}},
         lrs=(1e-1,),
         check={"variant": "bf16, QK-Norm", "lr": 1e-1, "seed": 0}),
+    "related": Study(
+        "related",
+        "Chapter 7: every trained design of normtools.lab.related (DeepNorm, Admin, Mix-LN, "
+        "LayerNorm Scaling, nGPT, DyT against Pre-LN and Post-LN) at a normal and a high learning "
+        "rate, five times longer than the chapter's live runs; spike score adapted as in 4a.",
+        {name: DESIGNS[name] for name in TRAINED_DESIGNS},
+        lrs=(1e-2, 1e-1), steps=300, spike_window=50, spike_k=7.0,
+        check={"variant": "Pre-LN", "lr": 1e-2, "seed": 0}),
 }
 
 
