@@ -5,16 +5,20 @@ JSON file: the run conditions, the device's copy bandwidth measured in the same 
 per (op, backend, shape).
 
 Ops (``OPS``): ``rms_norm`` (forward), ``rms_norm_fwd_bwd`` (forward + backward to x and w),
-``add_rms_norm`` (residual add fused with RMSNorm), ``layer_norm``, ``qk_norm_per_head`` and
-``qk_norm_per_layer``. Backends (``BACKENDS``):
+``add_rms_norm`` (residual add fused with RMSNorm), ``layer_norm``, ``qk_norm_per_head``,
+``qk_norm_per_layer`` and the fused QK-Norm + RoPE ``qk_norm_rope_per_head`` /
+``qk_norm_rope_per_layer`` (and their ``_fwd_bwd``: forward + backward to q, k and both weights).
+Backends (``BACKENDS``):
 
 * "normtools-triton", "normtools-torch": ``normtools.<op>(..., backend="triton" | "torch")``;
 * "torch-F": ``torch.nn.functional.rms_norm`` / ``layer_norm`` (the add as ``x + residual``,
   QK-Norm as one call on q and one on k, viewed per head for per_head);
 * "torch-compile": ``torch.compile`` of the same composition written with
-  ``normtools.core.reference`` (the plain-PyTorch reference), one fresh compile per shape;
+  ``normtools.core.reference`` (the plain-PyTorch reference), compiled once per head_dim and
+  recompiled per shape in the same process;
 * "liger": Liger-Kernel's ``liger_rms_norm`` / ``liger_layer_norm`` (and its fused add+RMSNorm
-  when the installed version has one), when ``liger_kernel`` imports and the device is CUDA.
+  when the installed version has one), when ``liger_kernel`` imports and the device is CUDA;
+  it has no fused QK-Norm + RoPE, so those rows are skipped with that reason.
 
 A backend that cannot run is recorded with status "skipped" and the reason; one that raises
 is recorded with status "error". Nothing is silently dropped.
@@ -42,7 +46,8 @@ batch, tokens per sequence and cache state. ``--dry-run`` prints the plan with i
 Modules, in the order of a run: ``plan`` (ops, backends, shapes, inputs), ``traffic`` (the
 minimum bytes of each op), ``cases`` (the cases of a GPU run and their time estimate),
 ``backends`` (one callable per op and backend), ``timing`` (rotated inputs, timers,
-percentiles, copy bandwidth), ``sweep`` (the cases of a run), ``results`` (JSON in and out),
+percentiles, copy bandwidth), ``sweep`` (the cases of a run), ``peers`` (concurrency: K
+processes timing each case at once, ``--processes K``), ``results`` (JSON in and out),
 ``report`` (targets and the Markdown summary), ``cli``. The model-level benchmark is
 ``normtools.measure.model_bench``.
 """
