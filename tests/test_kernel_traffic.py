@@ -100,11 +100,12 @@ def test_rms_norm_forward_counted_by_hand():
 def test_counter_sees_the_cuda_plan():
     """Inside planning_for_cuda a CPU launch gets the CUDA grid. rms_norm, bf16, M = 8 rows
     of N = 8192: the CPU packs all rows into one 65536-value tile (one program, w read once);
-    a 1-SM GPU's plan gives one row per block and a persistent grid of 2 programs (w twice)."""
+    a 2-SM GPU's plan gives two rows per 16384-value block and a persistent grid of one
+    program per SM (w read twice)."""
     x, w = torch.randn(8, 8192, dtype=torch.bfloat16), torch.ones(8192, dtype=torch.bfloat16)
     with kt.counting_bytes() as cpu:
         normtools.rms_norm(x, w, backend="triton")
-    with _launch.planning_for_cuda(1), kt.counting_bytes() as cuda:
+    with _launch.planning_for_cuda(2), kt.counting_bytes() as cuda:
         normtools.rms_norm(x, w, backend="triton")
     act, row = 8 * 8192 * 2, 8192 * 2
     assert sum(cpu["rms_norm_fwd"].loads.values()) == act + row

@@ -35,9 +35,12 @@ from normtools._kernels import partials as _partials
 MAX_CHUNK_BYTES = 32768         # a CPU row chunk: 8192 fp32 or 16384 bf16 values
 TILE_ELEMENTS = {"cpu": 65536}  # values in one CPU program's tile of short rows
 CPU_PROGRAMS = 4                # persistent backward grid on CPU
-# Persistent backward grid on CUDA: programs per SM (two resident programs per SM hide some
-# load latency; each adds one float32 partial row to reduce).
-PROGRAMS_PER_SM = 2
+# Persistent grids on CUDA: programs per SM. One: every backward program adds a float32
+# partial row (written, then read by kernels/partials.py) and every forward program reads the
+# weight, so at M = 4096 rows two per SM cost RMSNorm forward+backward 8 % above the minimum
+# bytes and LayerNorm 15 %, one per SM 4 % and 7.5 % (normtools.measure.kernel_traffic); the
+# short-row tiles below are 16 warps, so that one program still keeps 16 warps on its SM.
+PROGRAMS_PER_SM = 1
 # SMs of the GPU that plans are made for when no GPU is present (H200, the benchmark target).
 DEFAULT_SM_COUNT = 132
 
@@ -240,43 +243,40 @@ class RowConfig:
 _ = None  # "the whole row"
 CUDA_ROW_CONFIGS = {
     ("fwd", 2): (
-        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
-        RowConfig(4096, _, 8, 4096, "one row per block, 16 values per thread"),
-        RowConfig(8192, _, 16, 8192, "one row per block, 16 values per thread"),
+        RowConfig(8192, _, 16, 16384, "rows up to 8192 packed in 16384-value tiles, 16 warps "
+                  "(one program per SM), 32 values per thread"),
         RowConfig(16384, _, 16, 16384, "one row per block, 32 values per thread (<= 128 regs)"),
         RowConfig(1 << 62, 8192, 16, 8192, "a whole row spills (32768 in 32 warps: 40-208 B at "
                   "sm_90): chunks of 8192, two passes"),
     ),
     ("fwd", 4): (
-        RowConfig(1024, _, 4, 4096, "short rows: 4096-value tiles, several rows per program"),
-        RowConfig(4096, _, 8, 4096, "one row per block, 16 values per thread"),
-        RowConfig(8192, _, 16, 8192, "one row per block, 16 values per thread"),
+        RowConfig(8192, _, 16, 16384, "rows up to 8192 packed in 16384-value tiles, 16 warps "
+                  "(one program per SM), 32 values per thread"),
         RowConfig(16384, _, 16, 16384, "one row per block, 32 values per thread (<= 128 regs)"),
         RowConfig(1 << 62, 8192, 16, 8192, "a whole row spills (32768 in 32 warps: 72-208 B at "
                   "sm_90): chunks of 8192, two passes"),
     ),
     ("bwd", 2): (
-        RowConfig(1024, _, 8, 4096, "short rows: 4096-value tiles in 8 warps (QK-Norm's q/k "
-                  "kernel spills 8-16 B in 4)"),
-        RowConfig(4096, _, 8, 4096, "one row per block, x and dy: 2 x 16 values per thread"),
-        RowConfig(8192, _, 16, 8192, "one row per block, x and dy: 2 x 16 values per thread"),
+        RowConfig(8192, _, 16, 8192, "rows up to 8192 packed in 8192-value tiles, 16 warps (one "
+                  "program per SM): x and dy 2 x 16 values per thread"),
         RowConfig(1 << 62, 4096, 16, 4096, "a whole row spills (16384 at sm_90: 164 B RMSNorm, "
                   "292 B LayerNorm in 16 warps, 104 / 216 B in 32): chunks of 4096"),
     ),
     ("bwd", 4): (
-        RowConfig(1024, _, 8, 4096, "short rows: 4096-value tiles in 8 warps (QK-Norm's q/k "
-                  "kernel spills 8-16 B in 4)"),
-        RowConfig(4096, _, 8, 4096, "one row per block, x and dy: 2 x 16 values per thread"),
-        RowConfig(8192, _, 16, 8192, "one row per block, x and dy: 2 x 16 values per thread"),
+        RowConfig(8192, _, 16, 8192, "rows up to 8192 packed in 8192-value tiles, 16 warps (one "
+                  "program per SM): x and dy 2 x 16 values per thread"),
         RowConfig(1 << 62, 2048, 8, 2048, "x, dy and dw of a whole row spill; QK-Norm's chunked "
                   "kernel spills 4 B with chunks of 4096: chunks of 2048"),
     ),
 }
 # The fused QK-Norm + RoPE kernels (kernels/qk_norm_rope.py) tile the heads of a token: their
 # row is q's Hq · 2 · next_power_of_2(head_dim / 2) values, cut into whole heads. Forward: the
-# rows of the norms. Backward: those too, but tiles of 2048 in 8 warps for rows past 8192.
-CUDA_ROW_CONFIGS["rope_fwd", 2] = CUDA_ROW_CONFIGS["fwd", 2]
-CUDA_ROW_CONFIGS["rope_fwd", 4] = CUDA_ROW_CONFIGS["fwd", 4]
+# rows of the norms, but short rows in 8192-value tiles; backward: tiles of 2048 in 8 warps
+# for rows past 8192.
+_ROPE_SHORT = RowConfig(8192, None, 16, 8192, "rows up to 8192 in 8192-value tiles, 16 warps "
+                        "(16384-value tiles spill 40 B at sm_90 in float32, 32 heads of 32)")
+CUDA_ROW_CONFIGS["rope_fwd", 2] = (_ROPE_SHORT,) + CUDA_ROW_CONFIGS["fwd", 2][1:]
+CUDA_ROW_CONFIGS["rope_fwd", 4] = (_ROPE_SHORT,) + CUDA_ROW_CONFIGS["fwd", 4][1:]
 CUDA_ROW_CONFIGS["rope_bwd", 2] = CUDA_ROW_CONFIGS["bwd", 2][:-1] + (
     RowConfig(1 << 62, 2048, 8, 2048, "per_layer rows past a tile, read twice; tiles of 4096 "
               "in 16 warps spill 8 B at sm_90 (N = 65536: 2 heads of 2048): tiles of 2048"),)
