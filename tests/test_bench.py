@@ -645,3 +645,26 @@ def test_two_processes_time_each_case_at_once():
     (row,) = single["results"]
     assert single["conditions"]["processes"] == 1 and row["processes"] == 1
     assert row["peer_p50_us"] is None and row["aggregate_gbs_p50"] == row["gbs_p50"]
+
+
+def test_a_failing_or_exited_peer_is_an_error_and_the_next_case_runs():
+    from normtools.measure.bench.peers import Peers
+
+    peers = Peers(1, cache_bytes=2**20)
+    try:
+        # the peer cannot build this case: it breaks the barrier, the caller gets its reason
+        bad = ("softmax", "torch-F", {"M": 4, "N": 8}, torch.float32, "cpu", "warm", 1, 3, None)
+        with pytest.raises(RuntimeError, match="peer 1: ValueError: unknown op 'softmax'"):
+            peers.time_together(bad, lambda: pytest.fail("timed although a peer failed"))
+        # the barrier is usable again
+        good = ("rms_norm", "torch-F", {"M": 4, "N": 8}, torch.float32, "cpu", "warm", 1, 3, None)
+        times, _, peer_times, overlap = peers.time_together(
+            good, lambda: timing.time_calls([lambda: time.sleep(0.001)], "cpu", 1, 3))
+        assert len(times) == 3 and len(peer_times) == 1 and len(peer_times[0]) == 3
+        assert 0.0 <= overlap <= 1.0
+        peers.workers[0].terminate()
+        peers.workers[0].join()
+        with pytest.raises(RuntimeError, match="have exited"):
+            peers.time_together(good, lambda: None)
+    finally:
+        peers.close()

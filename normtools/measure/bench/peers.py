@@ -16,7 +16,8 @@ at a barrier and time the case together, each over its own inputs. Each row reco
   so that a row shows that the processes did run at once rather than assuming it.
 
 A peer that fails (or a case that fails in the sweep's process) breaks the barrier; the row
-is an "error" with the peer's reason and the sweep goes on.
+is an "error" with the peer's reason and the sweep goes on. A peer that has exited makes every
+later row an "error" at once.
 """
 
 import multiprocessing
@@ -27,7 +28,7 @@ import torch
 
 __all__ = ["Peers"]
 
-_WAIT_S = 900   # a peer's first call may be a cold compile
+_WAIT_S = 180   # at the barrier and for a peer's answer: a first call may be a cold compile
 
 
 def _peer_loop(rank, tasks, results, barrier, cache_bytes, threads):
@@ -89,8 +90,11 @@ class Peers:
         peer, meet them at the barrier and run ``own_timing()`` (returns (times, group)).
 
         Returns (times, group, peer_times, overlap); raises RuntimeError with the peers'
-        reasons when a peer failed.
+        reasons when a peer failed or has exited (then no later case waits for it).
         """
+        dead = [rank for rank, w in enumerate(self.workers, start=1) if not w.is_alive()]
+        if dead:
+            raise RuntimeError(f"peer processes {dead} have exited")
         for tasks in self.tasks:
             tasks.put(task)
         own, window, broken = None, None, False
