@@ -80,7 +80,7 @@ def test_dry_run_touches_no_memory():
     with kt.counting_bytes(touch_memory=False, trace=trace):
         _launch.kernel_for(_masked_copy, "cpu")[(1,)](x, y, 10, BLOCK=16)
     assert torch.equal(y, torch.zeros(10))
-    (load, a, size_a), (store, b, size_b) = trace
+    (load, a, size_a, *_), (store, b, size_b, *_) = trace
     assert (load, store, size_a, size_b) == ("load", "store", 4, 4)
     assert np.array_equal(a - x.data_ptr(), 4 * np.arange(10))
     assert np.array_equal(b - y.data_ptr(), 4 * np.arange(10))

@@ -11,6 +11,9 @@ touched against the minimum of ``normtools.measure.bench.traffic.bytes_moved``:
 
     touched = Σ over launches, loads and stores, of the bytes of masked-in lanes
     unique  = Σ over launches of the distinct bytes addressed (an ideal cache's traffic)
+    dram    = the DRAM bytes of the accesses replayed through the L2 model of
+              ``normtools.measure.l2_model`` (an H200's 50 MB, LRU, write-back, eviction
+              hints obeyed); dram_no_hints: the same trace with the hints stripped
     ratio   = touched / minimum
 
 Scaling. Traffic per row is what matters, and the interpreter costs about 1 ms per program,
@@ -18,10 +21,11 @@ so a case does not run its real M (4096 rows by default) but the rows of ``SIMUL
 programs of its real plan: M_sim = SIMULATED_PROGRAMS × rows_per_program, with a grid of that
 many programs (a GPU of SIMULATED_PROGRAMS / PROGRAMS_PER_SM SMs). Every program then does
 exactly what it does in the real launch, and the bytes are scaled by M / M_sim; the minimum is
-counted at the real M. What this leaves out: the real grid's idle programs (rows_per_program
-does not always divide M), and the caches: a re-read that hits L2 is counted like one that
-goes to DRAM (``unique`` is the other bound; scaled like the rest, it counts a weight that
-every program reads once per simulated program pair). ``python -m
+counted at the real M. The L2 model gives the simulated SMs their share of the L2 (capacity ×
+simulated SMs / SMs of the GPU). What this leaves out: the real grid's idle programs
+(rows_per_program does not always divide M); in ``touched`` the caches (a re-read that hits L2
+is counted like one that goes to DRAM; ``unique`` is the other bound, and ``dram`` a model in
+between). ``python -m
 normtools.measure.kernel_traffic`` prints the full table.
 """
 
@@ -40,6 +44,7 @@ from normtools.core.rope import _launch_shape as rope_launch_shape
 from normtools.measure.bench.plan import QK_OPS
 from normtools.measure.bench.traffic import bytes_moved
 from normtools.measure.kernel_ops import op_inputs, run_on_triton
+from normtools.measure.l2_model import H200_L2_BYTES, LINE_BYTES, Access, dram_bytes
 
 # The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes, and
 # the fused QK-Norm + RoPE.
@@ -68,19 +73,23 @@ class KernelBytes:
 
 
 @contextlib.contextmanager
-def counting_bytes(touch_memory=True, trace=None):
+def counting_bytes(touch_memory=True, trace=None, trace_line=None):
     """Count the bytes of every load and store of interpreted launches in this context.
 
     Yields a dict {kernel name: KernelBytes}. A lane counts when its mask is true; a load or
-    store without a mask counts every lane. With ``trace`` (a list), each access appends
-    ("load" | "store", element addresses of the masked-in lanes, element size). With
+    store without a mask counts every lane. With ``trace`` (a list), each access appends an
+    ``l2_model.Access``: "load" | "store", the element addresses of the masked-in lanes, the
+    element size, the eviction hint, the launch (counted from 0 in this context) and the
+    program (linear index in its grid) that issued it; with ``trace_line`` (bytes) it keeps
+    only the distinct lines of each access (their first byte, element size 1), which is all
+    the L2 model needs and 1/64 of the memory for bf16 lanes. With
     ``touch_memory=False`` nothing is read or written: loads return their ``other`` value (0),
     stores are dropped, so offsets can be checked at sizes that do not fit in memory.
     Restores the interpreter on exit.
     """
     builder = triton_interpreter.interpreter_builder
     counts = defaultdict(KernelBytes)
-    state = {"kernel": None, "addresses": []}
+    state = {"kernel": None, "addresses": [], "launch": -1}
 
     def finish_launch():
         if state["kernel"] is not None and state["addresses"]:
@@ -90,16 +99,25 @@ def counting_bytes(touch_memory=True, trace=None):
     def observe(kernel_name, grid):
         finish_launch()
         state["kernel"] = kernel_name
+        state["launch"] += 1
         counts[kernel_name].launches += 1
 
     def record(kind, table, ptrs, mask, hint):
+        hint = "" if hint in (None, "evict_normal") else hint       # no hint
         itemsize = np.dtype(triton_interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
         lanes = np.broadcast_to(mask.data, ptrs.data.shape)
-        table[hint or ""] += int(lanes.sum()) * itemsize
+        table[hint] += int(lanes.sum()) * itemsize
         addresses = ptrs.data[lanes].astype(np.uint64)
         state["addresses"].append((addresses, itemsize))
         if trace is not None:
-            trace.append((kind, addresses, itemsize))
+            (x, y, z), (gx, gy, _) = builder.grid_idx, builder.grid_dim
+            addresses, size = addresses.astype(np.int64), itemsize
+            if trace_line:
+                addresses = np.unique(np.concatenate(
+                    [addresses // trace_line, (addresses + itemsize - 1) // trace_line]))
+                addresses, size = addresses * trace_line, 1
+            trace.append(Access(kind, addresses, size, hint, state["launch"],
+                                x + gx * (y + gy * z)))
 
     def masked_load(ptrs, mask, other, cache_policy, is_volatile):
         record("load", counts[state["kernel"]].loads, ptrs, mask, cache_policy)
@@ -181,15 +199,28 @@ def simulated_shape(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT):
     return dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
 
 
-def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_COUNT):
+def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_COUNT,
+                 l2_bytes=H200_L2_BYTES):
     """Counted bytes of one case: a dict with the simulated shape, the scale to the real
-    shape, touched / unique bytes (scaled), the minimum, launches and the bytes by hint."""
+    shape, touched / unique bytes (scaled), the minimum, launches and the bytes by hint; and,
+    unless ``l2_bytes`` is None, the DRAM bytes of the L2 model (``l2_model.dram_bytes``,
+    read + written, scaled) with the kernels' hints (``dram``) and with the hints stripped
+    (``dram_no_hints``). The simulated SMs get their share of the L2, l2_bytes × simulated
+    SMs / ``sm_count``, and run one wave of PROGRAMS_PER_SM programs each."""
     sim = simulated_shape(op, shape, dtype, sm_count)
     inputs = op_inputs(op, sim, dtype)
     scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
     simulated_sms = max(1, SIMULATED_PROGRAMS // _launch.PROGRAMS_PER_SM)
-    with _launch.planning_for_cuda(simulated_sms), counting_bytes() as counts:
+    trace = [] if l2_bytes is not None else None
+    with (_launch.planning_for_cuda(simulated_sms),
+          counting_bytes(trace=trace, trace_line=LINE_BYTES) as counts):
         run_on_triton(op, inputs)
+    modelled = {}
+    if trace is not None:
+        share = dict(capacity=l2_bytes * simulated_sms // sm_count,
+                     resident=simulated_sms * _launch.PROGRAMS_PER_SM)
+        modelled = {"dram": sum(dram_bytes(trace, **share)) * scale,
+                    "dram_no_hints": sum(dram_bytes(trace, hints=False, **share)) * scale}
     hints = defaultdict(int)
     for kb in counts.values():
         for hint, b in list(kb.loads.items()) + list(kb.stores.items()):
@@ -199,18 +230,21 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
     return {"touched": touched, "unique": sum(kb.unique for kb in counts.values()) * scale,
             "minimum": minimum, "ratio": touched / minimum,
             "launches": sum(kb.launches for kb in counts.values()),
-            "kernels": ", ".join(sorted(counts)), "scale": scale,
+            "kernels": ", ".join(sorted(counts)), "scale": scale, **modelled,
             **{f"bytes_{h}": b * scale for h, b in sorted(hints.items())}}
 
 
 def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
-                   qk_layout=(32, 8, 128), sm_count=_launch.DEFAULT_SM_COUNT):
+                   qk_layout=(32, 8, 128), sm_count=_launch.DEFAULT_SM_COUNT,
+                   l2_bytes=H200_L2_BYTES):
     """Bytes touched ÷ minimum for every op and row length, with the CUDA launch plans.
 
     Row ops run at (m, N) for N in ``ns``; QK ops at T = m tokens with (Hq, Hk, D) =
     ``qk_layout`` (one shape: N is head_dim per head and Hq · head_dim per layer). Returns a
     DataFrame: op, dtype, shape, N, touched, unique, minimum, ratio, unique_ratio, launches,
-    kernels, scale and the bytes by eviction hint. See the module docstring for the scaling.
+    kernels, scale, the bytes by eviction hint, and with an L2 (``l2_bytes``) the modelled
+    DRAM bytes dram / dram_no_hints and their ratios to the minimum, dram_ratio /
+    dram_no_hints_ratio. See the module docstring for the scaling.
     """
     rows = []
     for op in ops:
@@ -220,11 +254,13 @@ def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
         else:
             shapes = [{"M": m, "N": n} for n in ns]
         for shape in shapes:
-            result = case_traffic(op, shape, dtype, sm_count)
+            result = case_traffic(op, shape, dtype, sm_count, l2_bytes)
             n = shape.get("N") or (shape["D"] if "per_head" in op else shape["Hq"] * shape["D"])
+            ratios = {f"{k}_ratio": result[k] / result["minimum"]
+                      for k in ("unique", "dram", "dram_no_hints") if k in result}
             rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
                          "shape": " ".join(f"{k}={v}" for k, v in shape.items()), "N": n,
-                         **result, "unique_ratio": result["unique"] / result["minimum"]})
+                         **result, **ratios})
     return pd.DataFrame(rows)
 
 
@@ -237,7 +273,8 @@ def main(argv=None):
     table = kernel_traffic(ns=tuple(args.n or ROW_LENGTHS))
     if args.csv:
         table.to_csv(args.csv, index=False)
-    columns = ["op", "N", "ratio", "unique_ratio", "launches", "kernels"]
+    columns = ["op", "N", "ratio", "unique_ratio", "dram_ratio", "dram_no_hints_ratio",
+               "launches", "kernels"]
     with pd.option_context("display.max_rows", None, "display.width", 200):
         print(table[columns].round(3).to_string(index=False))
 
