@@ -19,7 +19,9 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pandas as pd
 import pytest
 
 pytest.importorskip("triton.backends.nvidia")
@@ -88,3 +90,16 @@ def test_compiles_for_sm80_and_sm75(report):
         got = {r["kernel"] for r in report["rows"] if r["cc"] == cc}
         assert got == {"rms_norm_fwd", "rms_norm_bwd", "sum_partials", "qk_norm_rope_fwd",
                        "qk_norm_rope_bwd"}, (cc, got)
+
+
+def test_committed_table_matches_the_compiles(report):
+    """The table chapter 4b shows (python -m normtools.measure.spills --csv ...) has every
+    configuration compiled here with the same registers and spill bytes."""
+    committed = pd.read_csv(Path(__file__).resolve().parents[1] / "book" / "data" / "kernels"
+                            / "spills.csv")
+    key = ["op", "dtype", "N", "kernel", "config", "cc"]
+    compiled = pd.DataFrame(report["rows"])
+    merged = compiled.merge(committed, on=key, how="left", suffixes=("", "_committed"))
+    assert merged["registers_committed"].notna().all(), merged[merged.isna().any(axis=1)]
+    for column in ("registers", "stack", "spill_stores", "spill_loads"):
+        assert (merged[column] == merged[f"{column}_committed"]).all(), column
