@@ -296,26 +296,18 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
             rstd = tl.load(RSTD + tokens, mask=token_mask, other=0.0)[:, None, None]
             dot = tl.zeros([ROWS], dtype=tl.float32)
             for group in range(GROUPS):
-                heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
-                head_mask = heads < HEADS
-                s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride,
-                                       offset, HEAD_DIM)
-                x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask,
-                                                         heads, head_mask, half, half_mask,
-                                                         stride_x, stride_do, stride_cos,
-                                                         stride_sin, HEAD_DIM, "evict_last")
+                heads, head_mask, s1, s2, x1, x2, dy1, dy2, mask = _group_grad_tile(
+                    X, DO, COS, SIN, W, tokens, token_mask, group, half, half_mask, stride_x,
+                    stride_do, stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM, HEADS,
+                    BLOCK_H, "evict_last")
                 dot += tl.sum(tl.sum(dy1 * s1 * x1 * rstd, axis=2)
                               + tl.sum(dy2 * s2 * x2 * rstd, axis=2), axis=1)
             c = (dot / (HEADS * HEAD_DIM))[:, None, None]
             for group in range(GROUPS):
-                heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
-                head_mask = heads < HEADS
-                s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride,
-                                       offset, HEAD_DIM)
-                x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask,
-                                                         heads, head_mask, half, half_mask,
-                                                         stride_x, stride_do, stride_cos,
-                                                         stride_sin, HEAD_DIM, "evict_first")
+                heads, head_mask, s1, s2, x1, x2, dy1, dy2, mask = _group_grad_tile(
+                    X, DO, COS, SIN, W, tokens, token_mask, group, half, half_mask, stride_x,
+                    stride_do, stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM, HEADS,
+                    BLOCK_H, "evict_first")
                 x_hat1 = x1 * rstd
                 x_hat2 = x2 * rstd
                 _dx_store(DX, tokens, heads, half, mask, stride_dx,
@@ -342,6 +334,23 @@ def _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads, head_mask, half,
     cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half, half_mask,
                                           stride_cos, stride_sin, HEAD_DIM)
     return x1, x2, do1 * cos1 + do2 * sin2, do2 * cos2 - do1 * sin1, mask
+
+
+@triton.jit
+def _group_grad_tile(X, DO, COS, SIN, W, tokens, token_mask, group, half, half_mask, stride_x,
+                     stride_do, stride_cos, stride_sin, w_head_stride, offset,
+                     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, BLOCK_H: tl.constexpr,
+                     EVICTION: tl.constexpr):
+    """Tile ``group`` of a long per_layer row: its heads and their mask, the scale s, x and
+    dy (two halves each) and the tile's mask."""
+    heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_mask = heads < HEADS
+    s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
+                           HEAD_DIM)
+    x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads,
+                                             head_mask, half, half_mask, stride_x, stride_do,
+                                             stride_cos, stride_sin, HEAD_DIM, EVICTION)
+    return heads, head_mask, s1, s2, x1, x2, dy1, dy2, mask
 
 
 # ----------------------------------------------------------------------------- helpers
