@@ -17,7 +17,8 @@
 #
 # Writes under $OUT (default bench/out): pytest-gpu.xml (junit, also after a timeout),
 # pytest-gpu.log, bench-h200.json (bench-quick.json with --quick), bench.log,
-# model-h200.json (model-quick.json), model.log, nvidia-smi.txt and summary.md.
+# model-h200.json (model-quick.json), model.log, bench-h200-2proc.json (two processes per
+# case, with the time left), concurrency.log, nvidia-smi.txt and summary.md.
 # Environment:
 #   OUT              output folder
 #   PYTHON           interpreter (default: python3, else python)
@@ -37,7 +38,7 @@ while [ $# -gt 0 ]; do
     --quick) QUICK=1 ;;
     --dry-run) DRY=1 ;;
     --commit) COMMIT="${2:?--commit needs a value}"; shift ;;
-    -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,30p' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1" >&2; exit 2 ;;
   esac
   shift
@@ -194,12 +195,21 @@ if [ "$QUICK" = 1 ]; then
   MODEL_RESULTS="$OUT/model-quick.json"
   BENCH_ARGS=(--quick)
   MODEL_ARGS=(--size tiny --reps 5 --warmup 1)
-  if [ "$HAS_CUDA" != 1 ]; then BENCH_ARGS+=(--backends normtools-torch torch-F liger); fi
+  CONC_RESULTS="$OUT/bench-quick-2proc.json"
+  CONC_ARGS=(--quick --ops rms_norm)
+  if [ "$HAS_CUDA" != 1 ]; then
+    BENCH_ARGS+=(--backends normtools-torch torch-F liger)
+    CONC_ARGS+=(--backends normtools-torch torch-F --threads 1)
+  fi
 else
   RESULTS="$OUT/bench-h200.json"
   MODEL_RESULTS="$OUT/model-h200.json"
   BENCH_ARGS=(--device cuda --dtype bfloat16 --cases gpu-run)
   MODEL_ARGS=(--device cuda --size full-width --config qwen3-8b --layers 4)
+  CONC_RESULTS="$OUT/bench-h200-2proc.json"
+  # RMSNorm at the real shapes (decode first in each model: serving runs several processes)
+  CONC_ARGS=(--device cuda --dtype bfloat16 --cases gpu-run --phases "real shapes"
+             --ops rms_norm --backends normtools-triton torch-F)
 fi
 budget=$(( $(left) - MODEL_S - 40 ))
 if [ "$DRY" = 1 ]; then budget=$(( TOTAL_S - TEST_S - MODEL_S - 60 )); fi
@@ -244,10 +254,33 @@ else
   fi
 fi
 
+# 4. Concurrency, with the time that is left: two processes time each case at once
+#    (normtools.measure.bench.peers), at most CONC_S seconds.
+CONC_S=30
+if [ "$DRY" = 1 ]; then
+  echo "== concurrency: if ≥ $((CONC_S + 10)) s are left, would run: python -m" \
+    "normtools.measure.bench --processes 2 ${CONC_ARGS[*]} --budget-s $CONC_S" \
+    "--out $CONC_RESULTS"
+elif [ "$(left)" -ge $((CONC_S + 10)) ]; then
+  echo "== concurrency: 2 processes per case ($(left) s left)"
+  conc_rc=0
+  (cd "$RUN_DIR" && timeout $((CONC_S + 30)) "$PY" -m normtools.measure.bench "${CONC_ARGS[@]}" \
+    --processes 2 --budget-s "$CONC_S" --out "$CONC_RESULTS") > "$OUT/concurrency.log" 2>&1 \
+    || conc_rc=$?
+  tail -n 5 "$OUT/concurrency.log"
+  if [ "$conc_rc" != 0 ]; then
+    echo "gpu_check: concurrency run exit code $conc_rc (124: timed out)" >&2
+    status=1
+  fi
+else
+  echo "gpu_check: $(left) s left, no concurrency run" >&2
+fi
+
 echo "== done in $((SECONDS - START)) s; outputs in $OUT:"
 if [ "$DRY" = 1 ]; then
   echo "would write: pytest-gpu.xml pytest-gpu.log $(basename "$RESULTS") bench.log" \
-    "$(basename "$MODEL_RESULTS") model.log nvidia-smi.txt summary.md"
+    "$(basename "$MODEL_RESULTS") model.log $(basename "$CONC_RESULTS") concurrency.log" \
+    "nvidia-smi.txt summary.md"
   echo "estimated: tests ≤ ${TEST_S} s + bench ≤ ${budget} s + model ≤ ${MODEL_S} s" \
     "(script limit ${TOTAL_S} s)"
 fi

@@ -327,13 +327,19 @@ def test_gpu_check_script_quick_on_cpu_with_symlink_tree(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "normtools from /" in run.stdout and str(REPO) + "/normtools" not in run.stdout
-    for name in ("pytest-gpu.xml", "bench-quick.json", "summary.md", "bench.log"):
+    for name in ("pytest-gpu.xml", "bench-quick.json", "summary.md", "bench.log",
+                 "bench-quick-2proc.json"):
         assert (tmp_path / name).is_file(), name
     # pytest collected this file's GPU tests and skipped them (no CUDA here)
     junit = (tmp_path / "pytest-gpu.xml").read_text()
     assert re.search(r'errors="0" failures="0" skipped="[1-9]', junit), junit
     data = json.loads((tmp_path / "bench-quick.json").read_text())
     assert any(r["status"] == "ok" for r in data["results"])
+    # the concurrency stage: two processes timed each case at once
+    two = json.loads((tmp_path / "bench-quick-2proc.json").read_text())
+    assert two["conditions"]["processes"] == 2
+    ok = [r for r in two["results"] if r["status"] == "ok"]
+    assert ok and all(len(r["peer_p50_us"]) == 1 for r in ok)
 
 
 @pytest.mark.gpu
@@ -589,6 +595,7 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     for name in ("pytest-gpu.xml", "bench-h200.json", "model-h200.json", "summary.md"):
         assert name in log
     assert "full-width stack: 4 layers, hidden 4096" in log
+    assert "--processes 2" in log and "bench-h200-2proc.json" in log
     # the stages' limits add up within the script's, which stays under 8 minutes
     stages = re.search(r"estimated: tests ≤ (\d+) s \+ bench ≤ (\d+) s \+ model ≤ (\d+) s "
                        r"\(script limit (\d+) s\)", log)
