@@ -263,3 +263,34 @@ def test_chapter_runs_to_the_end_at_the_shrunk_gpu_size(gpu_runs, chapter):
     assert all(c["execution_count"] is not None for c in cells), "a cell did not run"
     errors = [o for c in cells for o in c["outputs"] if o["output_type"] == "error"]
     assert not errors
+
+
+@pytest.mark.parametrize("gpu, expected", [(T4, torch.float16), (H100, torch.bfloat16)])
+def test_benchmarks_default_to_the_compute_dtype(monkeypatch, capsys, gpu, expected):
+    """``normtools bench`` and the model benchmark on CUDA without --dtype: bfloat16, or on a T4
+    float16 with the fallback line (the measurements themselves are stubbed out)."""
+    from normtools.measure import model_bench
+    from normtools.measure.bench import cli
+
+    gpu.install(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    seen = {}
+
+    def fake_sweep(device, dtype, **kwargs):
+        seen["bench"] = dtype
+        return {}
+
+    monkeypatch.setattr(cli, "run_sweep", fake_sweep)
+    monkeypatch.setattr(cli, "markdown_summary", lambda data: "")
+    assert cli.main(["--device", "cuda", "--ops", "rms_norm"]) == 0
+    assert seen["bench"] == str(expected).removeprefix("torch.")
+
+    def fake_steps(config, *, dtype, **kwargs):
+        seen["model"] = dtype
+        return {"rows": [], "conditions": {}}
+
+    monkeypatch.setattr(model_bench, "model_step_times", fake_steps)
+    monkeypatch.setattr(model_bench, "speedups", lambda result: {})
+    assert model_bench.main(["--device", "cuda", "--size", "tiny"]) == 0
+    assert seen["model"] == expected
+    assert ("no bfloat16 arithmetic, using float16" in capsys.readouterr().out) == (gpu is T4)

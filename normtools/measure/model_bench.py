@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from normtools.core.precision import compute_dtype
 from normtools.measure import parity, sysinfo
 from normtools.measure.bench.timing import summarize
 
@@ -181,7 +182,9 @@ def main(argv=None):
     result = model_step_times(
         config, backend=args.backend, device=device, label=label,
         batch=args.batch or (4 if cuda else 2), seq=args.seq or (2048 if cuda else 64),
-        dtype=_DTYPES[args.dtype or ("bfloat16" if cuda else "float32")],
+        # bfloat16 on a GPU with bfloat16 arithmetic; a T4 falls back to float16 (with a line)
+        dtype=_DTYPES[args.dtype] if args.dtype else (compute_dtype(device) if cuda
+                                                       else torch.float32),
         warmup=args.warmup if args.warmup is not None else (5 if cuda else 3),
         reps=args.reps if args.reps is not None else (100 if cuda else 30))
     result["speedup_p50"] = speedups(result)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from normtools.core.precision import compute_dtype
 from normtools.measure.bench.cases import gpu_run_cases, plan_rows
 from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS
 from normtools.measure.bench.backends import default_backends
@@ -25,8 +26,8 @@ def _add_arguments(parser):
     parser.add_argument("--device", default="auto",
                         help="cpu, cuda, cuda:N or auto (cuda when available)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES),
-                        help="activation and weight dtype (default: bfloat16 on CUDA, float32 "
-                             "on CPU)")
+                        help="activation and weight dtype (default: bfloat16 on CUDA, float16 "
+                             "on a GPU without bfloat16 arithmetic, float32 on CPU)")
     parser.add_argument("--ops", nargs="+", choices=OPS, default=list(OPS), metavar="OP",
                         help=f"ops to time (default: all): {', '.join(OPS)}")
     parser.add_argument("--backends", nargs="+", choices=BACKENDS, metavar="BACKEND",
@@ -119,7 +120,9 @@ def run_cli(args):
             return 2
         if not is_cuda and args.backends and "normtools-triton" in args.backends:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
-        dtype = args.dtype or ("bfloat16" if is_cuda else "float32")
+        # bfloat16 on a GPU with bfloat16 arithmetic; a T4 falls back to float16 (with a line)
+        dtype = args.dtype or (str(compute_dtype(device)).removeprefix("torch.") if is_cuda
+                               else "float32")
         if args.threads:
             torch.set_num_threads(args.threads)
         try:
