@@ -10,10 +10,6 @@ their head counts (the floors are multiples of them) and nothing reaches zero::
 
     shrunk(v) = max(floor, ⌊⌊v / k⌋ / floor⌋ · floor)        (k = gpu_shrink > 1)
 
-A tuple of sizes with an int floor is shrunk element by element (repeats dropped); a tuple
-with a :class:`Take` floor keeps its first ``max(n, ⌊len / k⌋)`` entries (dtypes, GPU
-architectures, ops of an analysis: fewer of them, not smaller ones).
-
 Settings that live in a lab module (chapter 4a's ``experiments.STABILITY_SIZES``, chapter 7's
 ``related.RELATED_SIZES``) are shrunk in place by :func:`register_shrunk`, which adds the shrunk
 settings to that table under their own name (``"gpu/64"``), because the lab functions look
@@ -21,23 +17,8 @@ their settings up by name.
 """
 
 import copy
-from dataclasses import dataclass
 
-__all__ = ["CHAPTER_SIZES", "SHRINK_FLOORS", "Take", "chapter_settings", "register_shrunk",
-           "shrink"]
-
-
-@dataclass(frozen=True)
-class Take:
-    """The floor of a tuple that is shrunk by keeping its first max(n, len // k) entries."""
-
-    n: int = 1
-
-
-_SPILL_OPS = ("rms_norm_fwd_bwd", "add_rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
-              "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd",
-              "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
-_ROW_LENGTHS = tuple(2**p for p in range(10, 18))   # N = 1K ... 128K
+__all__ = ["CHAPTER_SIZES", "SHRINK_FLOORS", "chapter_settings", "register_shrunk", "shrink"]
 
 #: {chapter: {"cpu": settings, "gpu": settings}}; chapter 6 has no size-dependent cell.
 CHAPTER_SIZES = {
@@ -57,18 +38,10 @@ CHAPTER_SIZES = {
         "cpu": dict(rows=64, qk_tokens=32),
         "gpu": dict(rows=4096, qk_tokens=1024),
     },
-    "04b": {   # the spill table's dtypes by name (torch.<name>)
+    "04b": {   # parity input batch × tokens × features; the model step's batch and samples
         "cpu": dict(parity=dict(batch=4, tokens=16, features=256),
-                    traffic=dict(ns=(4096, 32768), Hq=4, Hk=2, D=128),
-                    spill=dict(ops=("rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
-                                    "qk_norm_per_head_fwd_bwd"),
-                               dtypes=("bfloat16",), ns=(4096, 16384), archs=(90,),
-                               qk_head_dims=(128,)),
                     model_steps=dict(batch=2, seq=64, warmup=2, reps=20)),
         "gpu": dict(parity=dict(batch=8, tokens=1024, features=4096),
-                    traffic=dict(ns=_ROW_LENGTHS, Hq=32, Hk=8, D=128),
-                    spill=dict(ops=_SPILL_OPS, dtypes=("bfloat16", "float16", "float32"),
-                               ns=_ROW_LENGTHS, archs=(90, 80, 75), qk_head_dims=(64, 128, 256)),
                     model_steps=dict(batch=4, seq=2048, warmup=5, reps=100)),
     },
     "05": {
@@ -91,9 +64,6 @@ SHRINK_FLOORS = {
     "02": dict(width=32, depth=2, batch=1, seq_len=8, hf_hidden=32, hf_layers=2),
     "03": dict(rows=16, qk_tokens=8),
     "04b": dict(parity=dict(batch=1, tokens=16, features=256),
-                traffic=dict(ns=1024, Hq=4, Hk=2),
-                spill=dict(ops=Take(1), dtypes=Take(1), ns=4096, archs=Take(1),
-                           qk_head_dims=Take(1)),
                 model_steps=dict(batch=1, seq=16, warmup=1, reps=5)),
     "05": dict(model=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2,
                           vocab_size=128),
@@ -121,20 +91,11 @@ def shrink(settings: dict, floors: dict, gpu_shrink: int) -> dict:
     if gpu_shrink == 1:
         return out
     for key, floor in floors.items():
-        value = settings[key]
         if isinstance(floor, dict):
-            out[key] = shrink(value, floor, gpu_shrink)
-        elif isinstance(floor, Take):
-            out[key] = tuple(value[:max(floor.n, len(value) // gpu_shrink)])
-        elif isinstance(value, tuple):
-            out[key] = tuple(dict.fromkeys(_shrunk(v, floor, gpu_shrink) for v in value))
+            out[key] = shrink(settings[key], floor, gpu_shrink)
         else:
-            out[key] = _shrunk(value, floor, gpu_shrink)
+            out[key] = max(floor, settings[key] // gpu_shrink // floor * floor)
     return out
-
-
-def _shrunk(value, floor, gpu_shrink):
-    return max(floor, value // gpu_shrink // floor * floor)
 
 
 def chapter_settings(chapter: str, size: str = "cpu", gpu_shrink: int = 1) -> dict:
