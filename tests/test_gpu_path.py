@@ -1,5 +1,13 @@
-"""The chapters' GPU path, checked on a CPU: the compute dtype on a GPU without bfloat16 (a faked
-T4) and with it (a faked H100)."""
+"""The chapters' GPU path, checked on a CPU.
+
+* The compute dtype on a GPU without bfloat16 arithmetic (a faked T4) and with it (a faked H100):
+  core.precision, training's precision="auto", the benchmarks' defaults.
+* The chapters' sizes (normtools.book.sizes): the cpu ones never shrunk, the gpu ones divided by
+  gpu_shrink within their floors, models still buildable.
+* Every chapter with a gpu_shrink parameter executed at size="gpu", gpu_shrink=64 on the CPU
+  (two at a time, into a temporary folder): it runs to the end. About 75 s for chapters 1-6 on
+  2 busy cores; a chapter without the parameter is skipped and says so.
+"""
 
 import contextlib
 
