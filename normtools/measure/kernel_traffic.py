@@ -12,8 +12,8 @@ touched against the minimum of ``normtools.measure.bench.traffic.bytes_moved``:
     touched = Σ over launches, loads and stores, of the bytes of masked-in lanes
     unique  = Σ over launches of the distinct bytes addressed (an ideal cache's traffic)
     dram    = the DRAM bytes of the accesses replayed through the L2 model of
-              ``normtools.measure.l2_model`` (an H200's 50 MB, LRU, write-back, eviction
-              hints obeyed); dram_no_hints: the same trace with the hints stripped
+              ``normtools.measure.l2_model`` (an H200's 50 MB, LRU, write-back, 32-byte
+              sectors, eviction hints obeyed); dram_no_hints: the same trace, hints stripped
     ratio   = touched / minimum
 
 Scaling. Traffic per row is what matters, and the interpreter costs about 1 ms per program,
@@ -82,7 +82,7 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
     element size, the eviction hint, the launch (counted from 0 in this context) and the
     program (linear index in its grid) that issued it; with ``trace_line`` (bytes) it keeps
     only the distinct lines of each access (their first byte, element size 1), which is all
-    the L2 model needs and 1/64 of the memory for bf16 lanes. With
+    the L2 model needs and 1/16 of the memory for bf16 lanes in 32-byte lines. With
     ``touch_memory=False`` nothing is read or written: loads return their ``other`` value (0),
     stores are dropped, so offsets can be checked at sizes that do not fit in memory.
     Restores the interpreter on exit.
@@ -217,7 +217,7 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
         run_on_triton(op, inputs)
     modelled = {}
     if trace is not None:
-        share = dict(capacity=l2_bytes * simulated_sms // sm_count,
+        share = dict(capacity=l2_bytes * simulated_sms // sm_count, line=LINE_BYTES,
                      resident=simulated_sms * _launch.PROGRAMS_PER_SM)
         modelled = {"dram": sum(dram_bytes(trace, **share)) * scale,
                     "dram_no_hints": sum(dram_bytes(trace, hints=False, **share)) * scale}

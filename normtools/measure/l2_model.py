@@ -5,8 +5,12 @@ The bytes counter (``normtools.measure.kernel_traffic``) records every load and 
 interpreted launch: which program issued it, its hint and the addresses of its masked-in lanes.
 ``dram_bytes`` replays that trace through one L2 and counts what reaches DRAM:
 
-* Lines of ``line`` bytes (128, the L2 line of NVIDIA GPUs), ``capacity`` bytes in all
-  (``H200_L2_BYTES`` by default), least recently used first out.
+* Lines of ``line`` bytes, ``capacity`` bytes in all (``H200_L2_BYTES`` by default), least
+  recently used first out. By default a line is 32 bytes: the sector, the unit in which
+  NVIDIA's L2 moves data to and from DRAM (its 128-byte lines are four sectors). CPU tensors
+  are 64-byte aligned, so no tensor shares a 32-byte unit with another, while a 128-byte unit
+  would split the rows of a tensor that starts 64 bytes into one (CUDA tensors start on
+  512-byte boundaries).
 * A load of a line that is not cached reads it from DRAM (``line`` bytes) and caches it; a
   store caches the line dirty without reading it (the lanes of a tile cover whole lines); a
   dirty line is written to DRAM once, when it is evicted or at the end (write-back).
@@ -20,9 +24,9 @@ interpreted launch: which program issued it, its hint and the addresses of its m
   them access by access (round robin, each program's accesses in its own order); launches
   follow one another and share the cache.
 
-What it leaves out: sectors (a 32-byte DRAM access granularity below the line), set
-associativity, the write-allocate behaviour of partial lines, and the real relative speed of
-the programs. It answers one question: does a re-read reach DRAM or not?
+What it leaves out: 128-byte lines as the unit of replacement, set associativity, the
+write-allocate behaviour of partial sectors, and the real relative speed of the programs. It
+answers one question: does a re-read reach DRAM or not?
 """
 
 import collections
@@ -33,7 +37,7 @@ import numpy as np
 # NVIDIA H200: 50 MB of L2 (the H100 SXM5's L2; NVIDIA H100 Tensor Core GPU Architecture
 # whitepaper, 2022, "50 MB L2 cache"; the H200 keeps the H100's die).
 H200_L2_BYTES = 50 * 2**20
-LINE_BYTES = 128
+LINE_BYTES = 32
 
 
 class Access(NamedTuple):
