@@ -5,7 +5,10 @@ counted by hand from its launch plan, and the ratios of the single-pass paths at
 plan. On CPU the kernels run under Triton's interpreter, which the counter instruments.
 """
 
+from pathlib import Path
+
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 import triton
@@ -198,3 +201,32 @@ def test_qk_norm_rope_ratios_at_the_cuda_plan(op):
     and by the k programs, the weights once per program, the float32 partials)."""
     result = kt.case_traffic(op, {"T": 4096, "Hq": 32, "Hk": 8, "D": 128})
     assert 1.0 <= result["ratio"] <= 1.05, result
+
+
+COMMITTED = Path(__file__).resolve().parents[1] / "book" / "data" / "kernels" / "kernel_traffic.csv"
+
+
+def test_committed_table_covers_every_case():
+    """The table chapter 4b shows (python -m normtools.measure.kernel_traffic --csv ...) has
+    every op of the counter, every row length for the row ops."""
+    table = pd.read_csv(COMMITTED)
+    expected = {(op, n) for op in kt.OPS if not op.startswith("qk_norm")
+                for n in kt.ROW_LENGTHS}
+    got = {(r.op, r.N) for r in table.itertuples() if not r.op.startswith("qk_norm")}
+    assert got == expected
+    assert set(table["op"]) == set(kt.OPS)
+
+
+@pytest.mark.parametrize("op, shape", [
+    ("rms_norm_fwd_bwd", {"M": 4096, "N": 2048}),
+    ("add_rms_norm", {"M": 4096, "N": 32768}),
+    ("qk_norm_rope_per_layer_fwd_bwd", {"T": 4096, "Hq": 32, "Hk": 8, "D": 128}),
+])
+def test_committed_table_matches_a_recount(op, shape):
+    """A recount of some committed rows gives the same bytes, touched and modelled."""
+    table = pd.read_csv(COMMITTED)
+    label = " ".join(f"{k}={v}" for k, v in shape.items())
+    stored = table[(table["op"] == op) & (table["shape"] == label)].iloc[0]
+    live = kt.case_traffic(op, shape)
+    for key in ("touched", "unique", "minimum", "dram", "dram_no_hints", "launches"):
+        assert live[key] == pytest.approx(stored[key], rel=1e-9), key
