@@ -116,13 +116,14 @@ def test_counter_sees_the_cuda_plan():
 
 
 def test_minimum_bytes_of_the_backward_ops():
-    """The minimum that bench.bytes_moved lacks, from its rule: 5A + 5W for LayerNorm
+    """The minimum of the backward ops, by bench.bytes_moved's rule: 5A + 5W for LayerNorm
     forward+backward; 5(Q + K) + 3(Wq + Wk) for QK-Norm forward+backward."""
-    assert kt.minimum_bytes("layer_norm_fwd_bwd", {"M": 8, "N": 16}, torch.bfloat16) == (
+    from normtools.measure import bench
+    assert bench.bytes_moved("layer_norm_fwd_bwd", {"M": 8, "N": 16}, torch.bfloat16) == (
         5 * 8 * 16 * 2 + 5 * 16 * 2)
     shape = {"T": 8, "Hq": 4, "Hk": 2, "D": 16}
     q, k, wq = 8 * 4 * 16 * 2, 8 * 2 * 16 * 2, 16 * 2
-    assert kt.minimum_bytes("qk_norm_per_head_fwd_bwd", shape, torch.bfloat16) == (
+    assert bench.bytes_moved("qk_norm_per_head_fwd_bwd", shape, torch.bfloat16) == (
         5 * (q + k) + 3 * 2 * wq)
 
 
@@ -147,7 +148,7 @@ def test_qk_norm_rope_minimum_counted_by_hand():
         2 * 320 + 2 * 160 + 96 + 160)
     assert bench.bytes_moved("qk_norm_rope_per_head_fwd_bwd", shape, torch.bfloat16) == (
         5 * 320 + 5 * 160 + 3 * 32 + 2 * 160)
-    assert kt.minimum_bytes("qk_norm_rope_per_layer_fwd_bwd", shape, torch.bfloat16) == (
+    assert bench.bytes_moved("qk_norm_rope_per_layer_fwd_bwd", shape, torch.bfloat16) == (
         5 * 320 + 5 * 160 + 3 * 96 + 2 * 160)
 
 

@@ -41,9 +41,8 @@ import triton.runtime.interpreter as triton_interpreter
 
 from normtools.core import _launch
 from normtools.core.rope import _launch_shape as rope_launch_shape
-from normtools.measure.bench.plan import QK_OPS
 from normtools.measure.bench.traffic import bytes_moved
-from normtools.measure.kernel_ops import op_inputs, run_on_triton
+from normtools.measure.kernel_ops import QK_HEADS, op_inputs, run_on_triton
 from normtools.measure.l2_model import H200_L2_BYTES, LINE_BYTES, Access, dram_bytes
 
 # The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes, and
@@ -156,27 +155,6 @@ def _distinct_bytes(accesses):
     return int(sizes[first].sum())
 
 
-def minimum_bytes(op, shape, dtype):
-    """The minimum traffic of ``op``: ``bench.bytes_moved`` for the ops it knows, and the same
-    rule (each input read once, each output written once) for the backward passes it lacks:
-
-    * layer_norm_fwd_bwd:  forward 2A + 2W; backward read x, dy, w, write dx, dw, db
-                           = 5A + 5W;
-    * qk_norm_*_fwd_bwd:   forward 2Q + 2K + Wq + Wk; backward read q, k, dq_out, dk_out,
-                           q_w, k_w, write dq, dk, dq_w, dk_w = 5Q + 5K + 3(Wq + Wk).
-    """
-    if op in QK_OPS:        # qk_norm_rope_*_fwd_bwd included
-        return bytes_moved(op, shape, dtype)
-    if op == "layer_norm_fwd_bwd":
-        s = torch.empty(0, dtype=dtype).element_size()
-        return 5 * shape["M"] * shape["N"] * s + 5 * shape["N"] * s
-    if op.endswith("_fwd_bwd") and op[:-len("_fwd_bwd")] in QK_OPS:
-        weights = bytes_moved(op[:-len("_fwd_bwd")], dict(shape, T=0), dtype)
-        activations = bytes_moved(op[:-len("_fwd_bwd")], shape, dtype) - weights  # 2Q + 2K
-        return activations * 5 // 2 + 3 * weights
-    return bytes_moved(op, shape, dtype)
-
-
 def simulated_shape(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT):
     """The shape a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
     (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
@@ -226,7 +204,7 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
         for hint, b in list(kb.loads.items()) + list(kb.stores.items()):
             hints[hint or "none"] += b
     touched = sum(kb.touched for kb in counts.values()) * scale
-    minimum = minimum_bytes(op, shape, dtype)
+    minimum = bytes_moved(op, shape, dtype)
     return {"touched": touched, "unique": sum(kb.unique for kb in counts.values()) * scale,
             "minimum": minimum, "ratio": touched / minimum,
             "launches": sum(kb.launches for kb in counts.values()),
@@ -235,7 +213,7 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
 
 
 def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
-                   qk_layout=(32, 8, 128), sm_count=_launch.DEFAULT_SM_COUNT,
+                   qk_layout=(*QK_HEADS, 128), sm_count=_launch.DEFAULT_SM_COUNT,
                    l2_bytes=H200_L2_BYTES):
     """Bytes touched ÷ minimum for every op and row length, with the CUDA launch plans.
 
