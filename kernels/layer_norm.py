@@ -14,8 +14,9 @@ Backward. With g = w ⊙ dy, and differentiating through mean and rstd:
 
 Layout, chunking and determinism follow kernels/rms_norm.py: rows are addressed through their
 row stride; grids are persistent (a program loops over rows_per_program rows and reads w and b
-once, or once per chunk); a row that fits in BLOCK_N columns is read once (SINGLE_PASS). A
-longer row is read in chunks: the forward reads it twice, once for the statistics
+once, or once per chunk); a row that fits in BLOCK_N columns is read once (SINGLE_PASS), on
+sm_90 rows of up to 131072 values too, each program then a cluster of CTAs (see rms_norm.py).
+A longer row is read in chunks: the forward reads it twice, once for the statistics
 (each chunk's mean and squared deviations, merged into the row's with Chan's formula, as
 accurate as two passes) and once for the output; the backward reads x and dy twice (c1, c2
 per row, then dx, dw and db column chunk by column chunk). Each program of the persistent

@@ -37,8 +37,9 @@ Addressing. Element (token t, head slot h, column j) is at  t * stride_t + h * N
 weight at  h * w_head_stride + j  (w_head_stride = 0 when all heads share one weight row, N for
 one weight row per head); the inverse RMS of (h, t) at  h * T + t. Token and head offsets are
 64-bit: T * H * head_dim, and H_rows * T partial or statistics entries, may pass 2^31. Rows
-that fit in BLOCK_N stay in registers; longer rows (per_layer on wide models) are read in
-BLOCK_N chunks, twice, and the chunked backward adds each block's dw into its partial row.
+that fit in BLOCK_N stay in registers (on sm_90, per_layer rows of up to 131072 values too,
+a program then a cluster of CTAs: see rms_norm.py); longer rows are read in BLOCK_N chunks,
+twice, and the chunked backward adds each block's dw into its partial row.
 
 Under the Triton interpreter there is no bf16 arithmetic: values are upcast to float32 right
 after tl.load and cast down only right before tl.store (or to emulate the "llama" rounding).

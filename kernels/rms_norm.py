@@ -23,7 +23,11 @@ the norm and the gradient of the stored sum, and it flows unchanged to x_in and 
 
 Layout. Rows are addressed through their row stride (the last dimension has unit stride). A
 row that fits in one block of BLOCK_N columns is read once (SINGLE_PASS; BLOCK_M rows per
-program). A longer row is read in BLOCK_N-wide chunks: the forward reads it twice (sum of
+program). On sm_90 and newer the launcher keeps rows of up to 131072 values in one block by
+launching each program as a thread-block cluster of 2-16 CTAs (``num_ctas``): Triton spreads
+the block over the cluster's SMs and sums across them through distributed shared memory, and
+this source does not change. A longer row, or a long row before sm_90, is read in BLOCK_N-wide
+chunks: the forward reads it twice (sum of
 squares, then output; with a residual the second pass reads the stored sum, not both inputs),
 the backward reads x and dy twice (c per row, then dx and dw).
 

@@ -83,6 +83,41 @@ def test_chunked_backward_over_several_programs(op, small_cpu_tiles, nan_filled_
         torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("n, ctas_fwd, ctas_bwd", [(32768, 2, 4), (131072, 8, 16)])
+def test_cluster_plan_runs_the_single_pass_code(op, n, ctas_fwd, ctas_bwd):
+    """An H200's plan for a long row: forward and backward one block of the whole row, each
+    program a cluster of CTAs (which the interpreter runs as one program). Run with that plan
+    on CPU, M = 3 rows: dx, dw (and db) against float64 through the single-pass code."""
+    with _launch.planning_for_cuda():
+        fwd = _launch.plan_for(f"{op}_fwd", torch.float32, 3, n, "cpu")
+        bwd = _launch.plan_for(f"{op}_bwd", torch.float32, 3, n, "cpu")
+        got = _grads(op, 3, n)
+    assert (fwd.single_pass, fwd.block_n, fwd.num_ctas) == (True, n, ctas_fwd)
+    assert (bwd.single_pass, bwd.block_n, bwd.num_ctas) == (True, n, ctas_bwd)
+    for a, ref in zip(got["triton"], got["float64"]):
+        torch.testing.assert_close(a.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kernel", ["rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd",
+                                    "layer_norm_bwd", "qk_norm_fwd", "qk_norm_bwd"])
+def test_clusters_only_from_sm_90(kernel):
+    """A row past one CTA's registers (forward 16384, backward 8192 values) is one block on a
+    cluster from sm_90 on, up to 131072 values, within the GPU's SMs; before sm_90, and past
+    131072, it is chunked on single CTAs."""
+    one_cta = 16384 if kernel.endswith("_fwd") else 8192
+    for n in (2 * one_cta, 131072, 262144):
+        for capability in (75, 80, 86, 89, 90, 100):
+            plan = _launch.launch_plan(kernel, torch.bfloat16, 4096, n, "cuda", 132,
+                                       capability=capability)
+            clustered = capability >= 90 and n <= 131072
+            assert plan.single_pass == clustered, (n, capability)
+            assert (plan.num_ctas > 1) == clustered
+            assert plan.programs * plan.num_ctas <= 132
+            if clustered:
+                assert plan.block_n // (plan.num_ctas * plan.num_warps * 32) <= 32
+
+
 def _reverse_program_order(monkeypatch):
     """Make the interpreter run each grid's programs last to first."""
     builder = triton_interpreter.interpreter_builder
@@ -183,4 +218,6 @@ def test_cuda_plans_cover_every_row_once(kernel, dtype):
                 assert plan.single_pass == (n <= plan.block_n)
                 if config.block_n is not None:
                     assert plan.block_n <= config.block_n
-                assert groups <= max(1, -(-_launch.PROGRAMS_PER_SM * 132 // slots))
+                assert plan.num_ctas == config.num_ctas
+                assert groups <= max(1, -(-(_launch.PROGRAMS_PER_SM * 132 // plan.num_ctas)
+                                          // slots))

@@ -150,7 +150,9 @@ def test_edge_shapes(device, shape, dtype, residual):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 2048), (8, 131072), (3, 5, 131071), (1000, 96)])
+# rows past one CTA (16384 forward, 8192 backward) run on thread-block clusters of 2-16 CTAs
+@pytest.mark.parametrize("shape", [(4096, 2048), (16, 16384), (16, 32768), (5, 40000), (8, 131072),
+                                   (3, 5, 131071), (1000, 96)])
 @pytest.mark.parametrize("dtype, casting", [(torch.bfloat16, "llama"), (torch.float16, "gemma"),
                                             (torch.float32, "llama")])
 def test_large_shapes_cuda(shape, dtype, casting):

@@ -8,10 +8,11 @@ without TRITON_INTERPRET, so the checks run in a subprocess.
 
 Compiling every configuration (op x dtype x N x direction x cc) takes minutes, so this test
 samples: the backward at N = 16384 in bf16 (which spilled 392 B for RMSNorm and 932 B for
-LayerNorm in the single-pass design), the longest single-pass forward (N = 32768, 32 warps),
-per-layer QK-Norm, at sm_90; rms_norm and the fused QK-Norm + RoPE per layer (N = 4096 in one
-tile; N = 65536 in tiles, whose 4096-wide backward tiles spilled 8 B) also for sm_80 and sm_75
-(Colab's T4).
+LayerNorm on one CTA; on sm_90 now a cluster of 2), the largest clusters (N = 131072: forward
+on 8 CTAs, backward on 16), per-layer QK-Norm, at sm_90; rms_norm at N = 32768 (a cluster on
+sm_90, chunks before) and the fused QK-Norm + RoPE per layer (N = 4096 in one tile; N = 65536
+in tiles, whose 4096-wide backward tiles spilled 8 B) also for sm_80 and sm_75 (Colab's T4),
+and its float16 backward at N = 16384 at sm_90 (4 B of spill in 8 warps).
 ``python -m normtools.measure.spills`` prints the full table.
 """
 
@@ -42,13 +43,15 @@ with _launch.recording_launches() as toy:
     _launch.kernel_for(must_spill, "cuda")[(1,)](x, x, BLOCK=8192, num_warps=1)
 out = {"toy": spills.compile_report(toy[0], 90)}
 table = spills.spill_table(ops=("rms_norm_fwd_bwd", "layer_norm_fwd_bwd"),
-                           dtypes=(torch.bfloat16,), ns=(16384,), archs=(90,))
+                           dtypes=(torch.bfloat16,), ns=(16384, 131072), archs=(90,))
 table = [table, spills.spill_table(ops=("rms_norm_fwd_bwd",), dtypes=(torch.bfloat16,),
                                    ns=(32768,), archs=(90, 80, 75)),
          spills.spill_table(ops=("qk_norm_per_layer_fwd_bwd",), dtypes=(torch.bfloat16,),
                             ns=(4096,), archs=(90,)),
          spills.spill_table(ops=("qk_norm_rope_per_layer_fwd_bwd",), dtypes=(torch.bfloat16,),
-                            ns=(4096, 65536), archs=(90, 80, 75))]
+                            ns=(4096, 65536), archs=(90, 80, 75)),
+         spills.spill_table(ops=("qk_norm_rope_per_layer_fwd_bwd",), dtypes=(torch.float16,),
+                            ns=(16384,), archs=(90,))]
 out["rows"] = [row for t in table for row in t.to_dict("records")]
 print(json.dumps(out))
 """
@@ -81,6 +84,22 @@ def test_no_spills_at_sm90(report):
             ("qk_norm_rope_per_layer_fwd_bwd", "qk_norm_rope_bwd")} <= kernels
     spilled = [r for r in rows if r["spill_stores"] or r["spill_loads"] or r["stack"]]
     assert not spilled, spilled
+
+
+def test_clusters_compile_at_sm90_only(report):
+    """sm_90 compiles the long rows as clusters (16384 backward on 2 CTAs, 131072 forward on 8
+    and backward on 16); sm_80 and sm_75 get the chunked kernels, no cluster."""
+    clusters = {(r["kernel"], r["N"], r["config"].rsplit(" ", 1)[-1]) for r in report["rows"]
+                if r["cc"] == 90 and "ctas=" in r["config"]}
+    for kernel in ("rms_norm", "layer_norm"):
+        assert {(f"{kernel}_bwd", 16384, "ctas=2"), (f"{kernel}_fwd", 131072, "ctas=8"),
+                (f"{kernel}_bwd", 131072, "ctas=16")} <= clusters
+    assert ("rms_norm_fwd", 32768, "ctas=2") in clusters
+    older = [r for r in report["rows"] if r["cc"] < 90 and "ctas=" in r["config"]]
+    assert not older, older
+    chunked = {r["kernel"] for r in report["rows"]
+               if r["cc"] == 80 and r["N"] == 32768 and "SINGLE_PASS=0" in r["config"]}
+    assert chunked == {"rms_norm_fwd", "rms_norm_bwd"}
 
 
 def test_compiles_for_sm80_and_sm75(report):

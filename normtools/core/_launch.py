@@ -41,8 +41,10 @@ CPU_PROGRAMS = 4                # persistent backward grid on CPU
 # bytes and LayerNorm 15 %, one per SM 4 % and 7.5 % (normtools.measure.kernel_traffic); the
 # short-row tiles below are 16 warps, so that one program still keeps 16 warps on its SM.
 PROGRAMS_PER_SM = 1
-# SMs of the GPU that plans are made for when no GPU is present (H200, the benchmark target).
+# The GPU that plans are made for when no GPU is present (H200, the benchmark target): its
+# SMs and compute capability (sm_90).
 DEFAULT_SM_COUNT = 132
+DEFAULT_CAPABILITY = 90
 
 def interpreter_requested():
     """True when the environment asks for Triton's interpreter (TRITON_INTERPRET=1). Only the
@@ -226,14 +228,23 @@ KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
 @dataclasses.dataclass(frozen=True)
 class RowConfig:
     """How a row of up to ``n_max`` elements is launched on CUDA: ``block_n`` columns per tile
-    (None: the whole row, next_power_of_2(N), read once), ``num_warps``, and ``tile`` values
-    per program (short rows are packed tile // BLOCK_N to a program)."""
+    (None: the whole row, next_power_of_2(N), read once), ``num_warps``, ``tile`` values per
+    program (short rows are packed tile // BLOCK_N to a program), and ``num_ctas``, the CTAs of
+    a thread-block cluster that one program spans, on GPUs of compute capability
+    ``min_capability`` or newer (clusters need sm_90).
+
+    A cluster keeps a row too long for one SM's registers on chip: Triton lays the
+    (1, BLOCK_N) block across the cluster's CTAs, one SM each, and reduces across them through
+    distributed shared memory (``barrier.cluster``, ``mapa``), so the kernel's source does not
+    change and its row is still read once."""
 
     n_max: int
     block_n: Optional[int]
     num_warps: int
     tile: int
     reason: str
+    num_ctas: int = 1
+    min_capability: int = 0
 
 
 # CUDA_ROW_CONFIGS[(direction, element bytes)]: one row per range of N, first match wins
@@ -241,54 +252,84 @@ class RowConfig:
 # Checked ahead of time by normtools.measure.spills (0 B of spill at sm_90 for every row, and
 # every row compiles for sm_75 and sm_80) and normtools.measure.kernel_traffic (bytes touched).
 _ = None  # "the whole row"
+
+
+def _cluster_rows(values_per_cta, num_warps, sizes, what):
+    """Whole rows of values_per_cta · num_ctas elements on clusters of ``sizes`` CTAs (sm_90+)."""
+    return tuple(RowConfig(values_per_cta * ctas, _, num_warps, values_per_cta * ctas,
+                           f"{what} on a cluster of {ctas} CTAs (sm_90+), read once", ctas, 90)
+                 for ctas in sizes)
+
+
+# Forward: 16 warps x 32 values per thread = 16384 values per CTA; backward (x and dy):
+# 8192. Clusters of 2-8 CTAs are portable; 16 is not, and Triton's launcher allows it.
+_FWD_CLUSTERS = _cluster_rows(16384, 16, (2, 4, 8),
+                              "one row, 32 values per thread in each CTA's 16 warps")
+_BWD_CLUSTERS = _cluster_rows(8192, 16, (2, 4, 8, 16),
+                              "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps")
 CUDA_ROW_CONFIGS = {
     ("fwd", 2): (
         RowConfig(8192, _, 16, 16384, "rows up to 8192 packed in 16384-value tiles, 16 warps "
                   "(one program per SM), 32 values per thread"),
         RowConfig(16384, _, 16, 16384, "one row per block, 32 values per thread (<= 128 regs)"),
-        RowConfig(1 << 62, 8192, 16, 8192, "a whole row spills (32768 in 32 warps: 40-208 B at "
-                  "sm_90): chunks of 8192, two passes"),
+        *_FWD_CLUSTERS,
+        RowConfig(1 << 62, 8192, 16, 8192, "before sm_90, or past a cluster of 8: a whole row "
+                  "spills (32768 in 32 warps: 40-208 B at sm_90), chunks of 8192, two passes"),
     ),
     ("fwd", 4): (
         RowConfig(8192, _, 16, 16384, "rows up to 8192 packed in 16384-value tiles, 16 warps "
                   "(one program per SM), 32 values per thread"),
         RowConfig(16384, _, 16, 16384, "one row per block, 32 values per thread (<= 128 regs)"),
-        RowConfig(1 << 62, 8192, 16, 8192, "a whole row spills (32768 in 32 warps: 72-208 B at "
-                  "sm_90): chunks of 8192, two passes"),
+        *_FWD_CLUSTERS,
+        RowConfig(1 << 62, 8192, 16, 8192, "before sm_90, or past a cluster of 8: a whole row "
+                  "spills (32768 in 32 warps: 72-208 B at sm_90), chunks of 8192, two passes"),
     ),
     ("bwd", 2): (
         RowConfig(8192, _, 16, 8192, "rows up to 8192 packed in 8192-value tiles, 16 warps (one "
                   "program per SM): x and dy 2 x 16 values per thread"),
-        RowConfig(1 << 62, 4096, 16, 4096, "a whole row spills (16384 at sm_90: 164 B RMSNorm, "
-                  "292 B LayerNorm in 16 warps, 104 / 216 B in 32): chunks of 4096"),
+        *_BWD_CLUSTERS,
+        RowConfig(1 << 62, 4096, 16, 4096, "before sm_90, or past a cluster of 16: a whole row "
+                  "spills (16384 at sm_90: 164 B RMSNorm, 292 B LayerNorm in 16 warps, 104 / "
+                  "216 B in 32), chunks of 4096"),
     ),
     ("bwd", 4): (
         RowConfig(8192, _, 16, 8192, "rows up to 8192 packed in 8192-value tiles, 16 warps (one "
                   "program per SM): x and dy 2 x 16 values per thread"),
-        RowConfig(1 << 62, 2048, 8, 2048, "x, dy and dw of a whole row spill; QK-Norm's chunked "
-                  "kernel spills 4 B with chunks of 4096: chunks of 2048"),
+        *_BWD_CLUSTERS,
+        RowConfig(1 << 62, 2048, 8, 2048, "before sm_90, or past a cluster of 16: x, dy and dw "
+                  "of a whole row spill; QK-Norm's chunked kernel spills 4 B with chunks of "
+                  "4096: chunks of 2048"),
     ),
 }
 # The fused QK-Norm + RoPE kernels (kernels/qk_norm_rope.py) tile the heads of a token: their
 # row is q's Hq · 2 · next_power_of_2(head_dim / 2) values, cut into whole heads. Forward: the
-# rows of the norms, but short rows in 8192-value tiles; backward: tiles of 2048 in 8 warps
-# for rows past 8192.
+# rows of the norms, but short rows in 8192-value tiles; backward: tiles of 2048 for rows past
+# 8192 (16 warps for 2-byte values, 8 for float32). No clusters: these tiles are cut by head.
 _ROPE_SHORT = RowConfig(8192, None, 16, 8192, "rows up to 8192 in 8192-value tiles, 16 warps "
                         "(16384-value tiles spill 40 B at sm_90 in float32, 32 heads of 32)")
-CUDA_ROW_CONFIGS["rope_fwd", 2] = (_ROPE_SHORT,) + CUDA_ROW_CONFIGS["fwd", 2][1:]
-CUDA_ROW_CONFIGS["rope_fwd", 4] = (_ROPE_SHORT,) + CUDA_ROW_CONFIGS["fwd", 4][1:]
-CUDA_ROW_CONFIGS["rope_bwd", 2] = CUDA_ROW_CONFIGS["bwd", 2][:-1] + (
-    RowConfig(1 << 62, 2048, 8, 2048, "per_layer rows past a tile, read twice; tiles of 4096 "
-              "in 16 warps spill 8 B at sm_90 (N = 65536: 2 heads of 2048): tiles of 2048"),)
-CUDA_ROW_CONFIGS["rope_bwd", 4] = CUDA_ROW_CONFIGS["bwd", 4]
-del _
+
+
+def _without_clusters(rows):
+    return tuple(row for row in rows if row.num_ctas == 1)
+
+
+for _size in (2, 4):
+    CUDA_ROW_CONFIGS["rope_fwd", _size] = (
+        (_ROPE_SHORT,) + _without_clusters(CUDA_ROW_CONFIGS["fwd", _size][1:]))
+CUDA_ROW_CONFIGS["rope_bwd", 2] = _without_clusters(CUDA_ROW_CONFIGS["bwd", 2][:-1]) + (
+    RowConfig(1 << 62, 2048, 16, 2048, "per_layer rows past a tile, read twice; at sm_90 "
+              "tiles of 4096 in 16 warps spill 8 B (N = 65536: 2 heads of 2048), of 2048 in 8 "
+              "warps 4 B in float16 (N = 16384): tiles of 2048 in 16 warps"),)
+CUDA_ROW_CONFIGS["rope_bwd", 4] = _without_clusters(CUDA_ROW_CONFIGS["bwd", 4])
+del _, _size
 
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """One launch of a row-wise kernel over an (M, N) matrix: BLOCK_M rows x BLOCK_N columns
-    per tile, ``num_warps``, a persistent grid of ``programs``, each looping over
-    ``rows_per_program`` rows, and the reason the configuration was picked."""
+    per tile, ``num_warps`` per CTA, a persistent grid of ``programs`` of ``num_ctas`` CTAs
+    each (a cluster when > 1), each looping over ``rows_per_program`` rows, and the reason
+    the configuration was picked."""
 
     block_m: int
     block_n: int
@@ -297,59 +338,67 @@ class LaunchPlan:
     rows_per_program: int
     single_pass: bool
     reason: str
+    num_ctas: int = 1
 
 
-def cuda_row_config(kernel, element_size, n):
-    """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd") and a row of n elements."""
+def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
+    """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd"), a row of n elements
+    and a GPU of compute capability ``capability`` (e.g. 90 for sm_90)."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     direction = ("rope_" if kernel.startswith("qk_norm_rope") else "") + kernel.rsplit("_", 1)[1]
     table = CUDA_ROW_CONFIGS[direction, 4 if element_size >= 4 else 2]
-    return next(config for config in table if n <= config.n_max)
+    return next(config for config in table
+                if n <= config.n_max and capability >= config.min_capability)
 
 
-def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1):
+def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1,
+                capability=DEFAULT_CAPABILITY):
     """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
     reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
     spill report) use the same block sizes and grid.
 
     Grids are persistent: ``slots`` independent row sets (QK-Norm: one per head slot of q and
-    k) get ``groups`` programs each, about PROGRAMS_PER_SM x ``sm_count`` programs in all, and
-    a program loops over ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the
-    weight is read once per program, not once per row.
+    k) get ``groups`` programs each, about PROGRAMS_PER_SM x ``sm_count`` CTAs in all (a
+    program of a cluster plan is ``num_ctas`` CTAs), and a program loops over
+    ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the weight is read once
+    per program, not once per row.
 
-    CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n). CPU (Triton's interpreter):
-    BLOCK_N = next_power_of_2(n) up to MAX_CHUNK_BYTES / element size, TILE_ELEMENTS["cpu"]
-    values per tile, CPU_PROGRAMS programs in a persistent grid.
+    CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n, ``capability``). CPU
+    (Triton's interpreter): BLOCK_N = next_power_of_2(n) up to MAX_CHUNK_BYTES / element size,
+    TILE_ELEMENTS["cpu"] values per tile, CPU_PROGRAMS programs in a persistent grid.
     """
     element_size = torch.empty(0, dtype=dtype).element_size()
     whole_row = triton.next_power_of_2(max(n, 1))
     if device_type == "cuda":
-        config = cuda_row_config(kernel, element_size, n)
+        config = cuda_row_config(kernel, element_size, n, capability)
         block_n = whole_row if config.block_n is None else min(config.block_n, whole_row)
         tile, num_warps, reason = config.tile, config.num_warps, config.reason
-        limit = PROGRAMS_PER_SM * sm_count
+        num_ctas = config.num_ctas
+        limit = max(1, PROGRAMS_PER_SM * sm_count // num_ctas)
     else:
         block_n = min(whole_row, MAX_CHUNK_BYTES // element_size)
-        tile, num_warps, limit = TILE_ELEMENTS["cpu"], 4, CPU_PROGRAMS
+        tile, num_warps, limit, num_ctas = TILE_ELEMENTS["cpu"], 4, CPU_PROGRAMS, 1
         reason = "CPU interpreter: large tiles (about 1 ms per program)"
     block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
     blocks = triton.cdiv(m, block_m)
     groups = max(1, min(blocks, triton.cdiv(limit, slots)))
     programs, rows_per_program = slots * groups, triton.cdiv(blocks, groups) * block_m
     return LaunchPlan(block_m, block_n, num_warps, programs, rows_per_program, n <= block_n,
-                      reason)
+                      reason, num_ctas)
 
 
 _PLAN_TARGET = contextvars.ContextVar("normtools_plan_target", default=None)
 
 
 @contextlib.contextmanager
-def planning_for_cuda(sm_count=DEFAULT_SM_COUNT):
+def planning_for_cuda(sm_count=DEFAULT_SM_COUNT, capability=DEFAULT_CAPABILITY):
     """Within this context, launches on CPU tensors (Triton's interpreter) use the plans of a
-    CUDA device with ``sm_count`` SMs: how the bytes counter and the spill report see exactly
-    the block sizes and grids that a GPU run gets."""
-    token = _PLAN_TARGET.set(("cuda", sm_count))
+    CUDA device with ``sm_count`` SMs and compute capability ``capability``: how the bytes
+    counter and the spill report see exactly the block sizes and grids that a GPU run gets
+    (the interpreter runs a cluster plan's program as one program: ``num_ctas`` changes where
+    the row's values live, not which bytes the program loads and stores)."""
+    token = _PLAN_TARGET.set((sm_count, capability))
     try:
         yield
     finally:
@@ -357,8 +406,9 @@ def planning_for_cuda(sm_count=DEFAULT_SM_COUNT):
 
 
 @functools.cache
-def _sm_count(index):
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _sm_count_and_capability(index):
+    properties = torch.cuda.get_device_properties(index)
+    return properties.multi_processor_count, 10 * properties.major + properties.minor
 
 
 def plan_for(kernel, dtype, m, n, device, slots=1):
@@ -366,11 +416,13 @@ def plan_for(kernel, dtype, m, n, device, slots=1):
     of an enclosing ``planning_for_cuda``."""
     target = _PLAN_TARGET.get()
     if target is not None:
-        return launch_plan(kernel, dtype, m, n, *target, slots=slots)
+        sm_count, capability = target
+        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
     device = torch.device(device)
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return launch_plan(kernel, dtype, m, n, "cuda", _sm_count(index), slots)
+        sm_count, capability = _sm_count_and_capability(index)
+        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
     return launch_plan(kernel, dtype, m, n, "cpu", slots=slots)
 
 

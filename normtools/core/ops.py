@@ -72,6 +72,7 @@ def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             ROUND_XHAT=casting == "llama", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
+            num_ctas=plan.num_ctas,
         )
     return y, (summed if residual is not None else x.new_empty(0)), rstd
 
@@ -90,6 +91,7 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
         m, n, offset, plan.rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
+        num_ctas=plan.num_ctas,
     )
     dw = x.new_empty(0) if weight is None else sum_partials(dw_partial, weight.dtype)[0]
     return dx, dw
@@ -207,7 +209,7 @@ def _layer_norm_fwd_triton(x, weight, bias, eps):
             x2.stride(0), n, m, n, eps, plan.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass,
-            num_warps=plan.num_warps,
+            num_warps=plan.num_warps, num_ctas=plan.num_ctas,
         )
     return y, mean, rstd
 
@@ -227,6 +229,7 @@ def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
         dy2.stride(0), x2.stride(0), n, m, n, plan.rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
+        num_ctas=plan.num_ctas,
     )
     grads = [sum_partials(partial[:, slot:slot + 1], p.dtype)[0] for slot, p in enumerate(params)]
     dw = x.new_empty(0) if weight is None else grads.pop(0)

@@ -184,7 +184,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
         q2d.stride(0), k2d.stride(0), qy.stride(0), ky.stride(0),
         _head_stride(q_weight, nq), _head_stride(k_weight, nk), eps, offset,
         NQ=nq, NK=nk, ROWS=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
-        ROUND_XHAT=casting == "llama", num_warps=plan.num_warps)
+        ROUND_XHAT=casting == "llama", num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return qy, ky, q_rstd, k_rstd
 
 
@@ -220,7 +220,7 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
             q2d.stride(0), k2d.stride(0), dqy.stride(0), dky.stride(0), dq.stride(0),
             dk.stride(0), _head_stride(q_weight, nq), _head_stride(k_weight, nk), offset,
             NQ=nq, NK=nk, ROWS=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
-            num_warps=plan.num_warps)
+            num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
             _sum_partials(dkw_partial, hk, k_weight))
 

@@ -19,7 +19,9 @@ touched against the minimum of ``normtools.measure.bench.traffic.bytes_moved``:
 Scaling. Traffic per row is what matters, and the interpreter costs about 1 ms per program,
 so a case does not run its real M (4096 rows by default) but the rows of ``SIMULATED_PROGRAMS``
 programs of its real plan: M_sim = SIMULATED_PROGRAMS × rows_per_program, with a grid of that
-many programs (a GPU of SIMULATED_PROGRAMS / PROGRAMS_PER_SM SMs). Every program then does
+many programs (a GPU of SIMULATED_PROGRAMS × num_ctas / PROGRAMS_PER_SM SMs; on sm_90 a long
+row's program is a cluster of num_ctas CTAs, which the interpreter runs as one program: the
+row is still loaded once, whichever CTA holds which part). Every program then does
 exactly what it does in the real launch, and the bytes are scaled by M / M_sim; the minimum is
 counted at the real M. The L2 model gives the simulated SMs their share of the L2 (capacity ×
 simulated SMs / SMs of the GPU). What this leaves out: the real grid's idle programs
@@ -88,12 +90,12 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
     """
     builder = triton_interpreter.interpreter_builder
     counts = defaultdict(KernelBytes)
-    state = {"kernel": None, "addresses": [], "launch": -1}
+    state = {"kernel": None, "runs": [], "launch": -1}
 
     def finish_launch():
-        if state["kernel"] is not None and state["addresses"]:
-            counts[state["kernel"]].unique += _distinct_bytes(state["addresses"])
-        state["addresses"] = []
+        if state["kernel"] is not None and state["runs"]:
+            counts[state["kernel"]].unique += _distinct_bytes(state["runs"])
+        state["runs"] = []
 
     def observe(kernel_name, grid):
         finish_launch()
@@ -107,7 +109,7 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
         lanes = np.broadcast_to(mask.data, ptrs.data.shape)
         table[hint] += int(lanes.sum()) * itemsize
         addresses = ptrs.data[lanes].astype(np.uint64)
-        state["addresses"].append((addresses, itemsize))
+        state["runs"].append(_byte_runs(addresses, itemsize))
         if trace is not None:
             (x, y, z), (gx, gy, _) = builder.grid_idx, builder.grid_dim
             addresses, size = addresses.astype(np.int64), itemsize
@@ -146,51 +148,74 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
             vars(builder).pop(name, None)
 
 
-def _distinct_bytes(accesses):
-    """Distinct bytes of the accesses [(element addresses, element size), ...]: the distinct
-    element addresses, each counted with its size (a tensor has one element size)."""
-    addresses = np.concatenate([a for a, _ in accesses])
-    sizes = np.concatenate([np.full(a.size, size, dtype=np.int64) for a, size in accesses])
-    _, first = np.unique(addresses, return_index=True)
-    return int(sizes[first].sum())
+def _byte_runs(addresses, itemsize):
+    """The bytes that elements of ``itemsize`` bytes at ``addresses`` cover, as runs
+    (starts, ends) of consecutive elements: a contiguous row is one run, so a launch's
+    distinct bytes are kept in a few numbers per access, not 8 bytes per element."""
+    if addresses.size == 0:
+        return np.empty(0, np.int64), np.empty(0, np.int64)
+    a = np.unique(addresses.astype(np.int64))
+    breaks = np.flatnonzero(np.diff(a) != itemsize) + 1
+    starts = a[np.concatenate(([0], breaks))]
+    ends = a[np.concatenate((breaks - 1, [a.size - 1]))] + itemsize
+    return starts, ends
 
 
-def simulated_shape(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT):
-    """The shape a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
+def _distinct_bytes(runs):
+    """Bytes in the union of the byte runs [(starts, ends), ...] of a launch's accesses."""
+    starts = np.concatenate([s for s, _ in runs])
+    ends = np.concatenate([e for _, e in runs])
+    if starts.size == 0:
+        return 0
+    order = np.argsort(starts, kind="stable")
+    starts, ends = starts[order], np.maximum.accumulate(ends[order])
+    # a run opens a new interval when it starts past every earlier run's end
+    opens = np.concatenate(([True], starts[1:] > ends[:-1]))
+    closes = np.concatenate((np.flatnonzero(opens)[1:] - 1, [starts.size - 1]))
+    return int((ends[closes] - starts[opens]).sum())
+
+
+def simulated_launch(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT,
+                     capability=_launch.DEFAULT_CAPABILITY):
+    """(shape, SMs) a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
     (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
-    QK-Norm: SIMULATED_PROGRAMS programs per head slot)."""
+    QK-Norm: SIMULATED_PROGRAMS programs per head slot), on a GPU of SIMULATED_PROGRAMS x the
+    plan's CTAs per program SMs (a cluster plan's program spans num_ctas SMs)."""
     direction = "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
     if op.startswith("qk_norm_rope"):
-        with _launch.planning_for_cuda(sm_count):
+        with _launch.planning_for_cuda(sm_count, capability):
             plan = rope_launch_shape("qk_norm_rope" + direction, shape["T"], shape["Hq"],
                                      shape["Hk"], shape["D"], "per_layer" in op, dtype, "cpu")[0]
-        return dict(shape, T=min(shape["T"], SIMULATED_PROGRAMS * plan.rows_per_program))
-    if op.startswith("qk_norm"):
+        sim = dict(shape, T=min(shape["T"], SIMULATED_PROGRAMS * plan.rows_per_program))
+    elif op.startswith("qk_norm"):
         per_head = "per_head" in op
         m, n = shape["T"], shape["D"] if per_head else shape["Hq"] * shape["D"]
         slots = shape["Hq"] + shape["Hk"] if per_head else 2
-        plan = _launch.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots)
-        return dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
-    kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"
-    plan = _launch.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
-                               sm_count)
-    return dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
+        plan = _launch.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
+                                   capability)
+        sim = dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
+    else:
+        kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"
+        plan = _launch.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
+                                   sm_count, capability=capability)
+        sim = dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
+    return sim, SIMULATED_PROGRAMS * plan.num_ctas // _launch.PROGRAMS_PER_SM
 
 
 def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_COUNT,
-                 l2_bytes=H200_L2_BYTES):
+                 l2_bytes=H200_L2_BYTES, capability=_launch.DEFAULT_CAPABILITY):
     """Counted bytes of one case: a dict with the simulated shape, the scale to the real
     shape, touched / unique bytes (scaled), the minimum, launches and the bytes by hint; and,
     unless ``l2_bytes`` is None, the DRAM bytes of the L2 model (``l2_model.dram_bytes``,
     read + written, scaled) with the kernels' hints (``dram``) and with the hints stripped
     (``dram_no_hints``). The simulated SMs get their share of the L2, l2_bytes × simulated
-    SMs / ``sm_count``, and run one wave of PROGRAMS_PER_SM programs each."""
-    sim = simulated_shape(op, shape, dtype, sm_count)
+    SMs / ``sm_count``, and run one wave of PROGRAMS_PER_SM programs each. ``sm_count`` and
+    ``capability`` are the GPU's whose launch plan is counted (default: an H200's)."""
+    sim, simulated_sms = simulated_launch(op, shape, dtype, sm_count, capability)
     inputs = op_inputs(op, sim, dtype)
     scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
-    simulated_sms = max(1, SIMULATED_PROGRAMS // _launch.PROGRAMS_PER_SM)
     trace = [] if l2_bytes is not None else None
-    with (_launch.planning_for_cuda(simulated_sms),
+    with (_launch.planning_for_cuda(simulated_sms, capability),
           counting_bytes(trace=trace, trace_line=LINE_BYTES) as counts):
         run_on_triton(op, inputs)
     modelled = {}

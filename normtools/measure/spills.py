@@ -58,12 +58,14 @@ def ptxas_path():
                         "ptxas-blackwell")
 
 
-def record_launches(op, dtype, n, m=64):
+def record_launches(op, dtype, n, m=64, capability=_launch.DEFAULT_CAPABILITY):
     """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
     (``kernel_ops.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
-    heads of n / 32) with the CUDA launch plan: a list of ``_launch.RecordedLaunch``."""
+    heads of n / 32) with the CUDA launch plan of a GPU of compute capability ``capability``
+    (clusters from 90 on): a list of ``_launch.RecordedLaunch``."""
     inputs = op_inputs(op, op_shape(op, n, m), dtype)
-    with _launch.planning_for_cuda(), _launch.recording_launches() as launches:
+    with (_launch.planning_for_cuda(capability=capability),
+          _launch.recording_launches() as launches):
         run_on_triton(op, inputs)
     return launches
 
@@ -87,7 +89,7 @@ def compile_report(launch, cc):
     signature, constexprs, attrs, options = specialize(launch, cc)
     key = (launch.kernel.fn.__name__, cc, repr(sorted(signature.items())),
            repr(sorted((k, repr(v)) for k, v in constexprs.items())), repr(sorted(attrs.items())),
-           options.num_warps)
+           options.num_warps, options.num_ctas)
     return _compile_cached(key, launch.kernel, signature, constexprs, attrs, options, cc)
 
 
@@ -122,21 +124,22 @@ def _constexpr_summary(launch):
     names = ("BLOCK_M", "BLOCK_N", "ROWS", "BLOCK_NQ", "BLOCK_NK", "BLOCK_HQ", "BLOCK_HK",
              "BLOCK_P", "SINGLE_PASS")
     parts = [f"{k}={int(v)}" for k, v in launch.kwargs.items() if k in names]
-    return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"])
+    ctas = launch.kwargs.get("num_ctas", 1)
+    return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"]
+                    + ([f"ctas={ctas}"] if ctas > 1 else []))
 
 
 def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=ARCHS, qk_head_dims=QK_HEAD_DIMS):
     """Registers and spill bytes of every launch the launcher picks, one row per (op, dtype,
-    N, kernel, cc). N is the row length (QK per head: head_dim). See the module docstring for
-    how it is measured."""
+    N, kernel, cc), with the plan of each cc (sm_90's clusters, older GPUs' chunks). N is the
+    row length (QK per head: head_dim). See the module docstring for how it is measured."""
     rows = []
     for op in ops:
         for dtype in dtypes:
             lengths = qk_head_dims if "per_head" in op else ns
             for n in lengths:
-                launches = record_launches(op, dtype, n)
-                for launch in launches:
-                    for cc in archs:
+                for cc in archs:
+                    for launch in record_launches(op, dtype, n, capability=cc):
                         report = compile_report(launch, cc)
                         rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
                                      "N": n, "kernel": launch.kernel.fn.__name__,
