@@ -675,3 +675,53 @@ def test_a_failing_or_exited_peer_is_an_error_and_the_next_case_runs():
             peers.time_together(good, lambda: None)
     finally:
         peers.close()
+
+
+def test_chunked_plan_backend_reads_long_rows_twice():
+    """normtools-triton-chunks' wrapper: every launch of the call, backward included, gets
+    the plan of a GPU without clusters. Counted on CPU (the interpreter, CUDA plans of 132
+    SMs): rms_norm forward+backward at N = 32768 reads x once in the forward and x and dy
+    once in the backward on the sm_90 plan; on the chunked one x again in the forward, and x,
+    dy and (for g = w ⊙ dy in both passes) w again in the backward, once per program; the
+    gradients agree."""
+    from normtools.core import _launch
+    from normtools.measure import kernel_traffic
+    from normtools.measure.bench import backends
+
+    shape = {"M": 4, "N": 32768}
+    assert backends.clusters_matter("rms_norm_fwd_bwd", shape)
+    assert not backends.clusters_matter("rms_norm_fwd_bwd", {"M": 4, "N": 8192})
+    t = bench.make_inputs("rms_norm_fwd_bwd", shape, torch.float32, "cpu")
+
+    def fwd_bwd(inputs):
+        y = normtools.rms_norm(inputs["x"], inputs["w"], 1e-6, backend="triton")
+        return torch.autograd.grad(y, (inputs["x"], inputs["w"]), inputs["dy"])
+
+    with _launch.planning_for_cuda(), kernel_traffic.counting_bytes() as on_clusters:
+        expected = fwd_bwd(t)
+    with kernel_traffic.counting_bytes() as chunked:
+        got = backends.on_chunked_plan(fwd_bwd, 132)(t)
+    row = shape["M"] * shape["N"] * 4
+    programs = _launch.launch_plan("rms_norm_bwd", torch.float32, 4, 32768, capability=80).programs
+    weight = shape["N"] * 4
+    for kernel, reread in (("rms_norm_fwd", row), ("rms_norm_bwd", 2 * row + programs * weight)):
+        extra = sum(chunked[kernel].loads.values()) - sum(on_clusters[kernel].loads.values())
+        assert reread <= extra < reread * 1.01, kernel
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_estimate_leaves_out_rows_a_backend_skips():
+    """The chunked-plan backend adds estimated time to a long row only; Liger none to the
+    fused QK-Norm + RoPE it does not offer."""
+    long_row, short_row = (bench.Case("sweep", "rms_norm", {"M": 64, "N": n})
+                           for n in (32768, 4096))
+    rope = bench.Case("sweep", "qk_norm_rope_per_head", {"T": 64, "Hq": 4, "Hk": 2, "D": 64})
+
+    def seconds(case, backends):
+        return bench.estimate_seconds([case], backends, warmup=1, reps=10)[0][1]
+
+    ours = ["normtools-triton"]
+    assert seconds(long_row, ours + ["normtools-triton-chunks"]) > seconds(long_row, ours)
+    assert seconds(short_row, ours + ["normtools-triton-chunks"]) == seconds(short_row, ours)
+    assert seconds(rope, ours + ["liger"]) == seconds(rope, ours)

@@ -11,6 +11,9 @@ Ops (``OPS``): ``rms_norm`` (forward), ``rms_norm_fwd_bwd`` (forward + backward 
 Backends (``BACKENDS``):
 
 * "normtools-triton", "normtools-torch": ``normtools.<op>(..., backend="triton" | "torch")``;
+* "normtools-triton-chunks": normtools-triton on the launch plan of a GPU without thread-block
+  clusters (sm_80), timed only where an sm_90 plan uses clusters (rows past one CTA): the
+  same kernels reading a long row in chunks, twice, the A/B of the cluster plan;
 * "torch-F": ``torch.nn.functional.rms_norm`` / ``layer_norm`` (the add as ``x + residual``,
   QK-Norm as one call on q and one on k, viewed per head for per_head);
 * "torch-compile": ``torch.compile`` of the same composition written with

@@ -5,6 +5,7 @@ from importlib import import_module, util
 
 import torch
 
+from normtools.core import _launch
 from normtools.measure.bench.plan import BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS
 
 # ---------------------------------------------------------------------------------- backends
@@ -77,6 +78,42 @@ def _normtools_ops(backend, head_dim):
         "qk_norm_rope_per_head": partial(qk_rope, scope="per_head"),
         "qk_norm_rope_per_layer": partial(qk_rope, scope="per_layer"),
     }
+
+
+# normtools-triton-chunks: the same kernels with the launch plan of a GPU without clusters.
+# The ops whose kernels an sm_90 plan can put on a thread-block cluster (a row past one CTA).
+_CLUSTER_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
+                    "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
+                    "layer_norm": ("layer_norm_fwd",), "qk_norm_per_head": ("qk_norm_fwd",),
+                    "qk_norm_per_layer": ("qk_norm_fwd",)}
+CHUNKED_CAPABILITY = 80     # an A100's plan: no clusters, long rows read in chunks
+
+
+def clusters_matter(op, shape):
+    """True when an sm_90 launch plan of ``op`` at ``shape`` runs a kernel on thread-block
+    clusters, so that the chunked plan (``CHUNKED_CAPABILITY``) launches it differently. The
+    row: N of a row op; QK-Norm's head_dim per head, Hq · head_dim per layer."""
+    if "N" in shape:
+        rows, n = shape["M"], shape["N"]
+    else:
+        rows, n = shape["T"], shape["D"] * (1 if "per_head" in op else shape["Hq"])
+    return any(_launch.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
+               for kernel in _CLUSTER_KERNELS.get(op, ()))
+
+
+def on_chunked_plan(fn, sm_count):
+    """``fn`` with every kernel launched on the plan of a GPU of ``sm_count`` SMs without
+    clusters (compute capability ``CHUNKED_CAPABILITY``), backward included."""
+    def call(t):
+        with _launch.planning_for_cuda(sm_count, CHUNKED_CAPABILITY):
+            return fn(t)
+    return call
+
+
+def _chunked_ops(device, head_dim):
+    if torch.device(device).type != "cuda":
+        raise Unavailable("a CUDA launch plan: on CPU the kernels run the interpreter's plan")
+    return _normtools_ops("triton", head_dim)
 
 
 def _torch_f_ops(head_dim):
@@ -170,6 +207,7 @@ def backend_fn(op, backend, device, shape):
     head_dim = shape.get("D")
     builders = {
         "normtools-triton": lambda: _normtools_ops("triton", head_dim),
+        "normtools-triton-chunks": lambda: _chunked_ops(device, head_dim),
         "normtools-torch": lambda: _normtools_ops("torch", head_dim),
         "torch-F": lambda: _torch_f_ops(head_dim),
         "torch-compile": lambda: _compiled_reference_ops(head_dim),
@@ -181,11 +219,27 @@ def backend_fn(op, backend, device, shape):
     forward = op.removesuffix("_fwd_bwd")
     if forward not in ops:
         raise Unavailable(_NOT_OFFERED.get((backend, forward), f"{backend} has no {op}"))
+    if not offered(op, backend, shape):
+        raise Unavailable("no thread-block cluster in the sm_90 plan of this shape: the "
+                          "launch plan of normtools-triton")
     if op == "rms_norm_fwd_bwd":
-        return _with_backward(ops["rms_norm"])
-    if op.endswith("_fwd_bwd"):
-        return _qk_with_backward(ops[forward])
-    return _no_grad(ops[op])
+        fn = _with_backward(ops["rms_norm"])
+    elif op.endswith("_fwd_bwd"):
+        fn = _qk_with_backward(ops[forward])
+    else:
+        fn = _no_grad(ops[op])
+    if backend == "normtools-triton-chunks":
+        return on_chunked_plan(fn, torch.cuda.get_device_properties(device).multi_processor_count)
+    return fn
+
+
+def offered(op, backend, shape):
+    """Whether ``backend`` times ``op`` at ``shape`` (False: a skipped row, which the time
+    estimate leaves out): not a fused op it lacks, and for normtools-triton-chunks only where
+    ``clusters_matter``."""
+    if (backend, op.removesuffix("_fwd_bwd")) in _NOT_OFFERED:
+        return False
+    return backend != "normtools-triton-chunks" or clusters_matter(op, shape)
 
 
 def default_backends(device):

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from normtools.measure.bench.backends import offered
 from normtools.measure.bench.plan import OPS, QK_OPS, ROW_OPS
 from normtools.measure.bench.traffic import bytes_moved
 
@@ -182,7 +183,8 @@ def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=("first pass", "real sha
 # Assumptions of the estimate (an H200: ~4.8 TB/s HBM; Triton JIT and Inductor compile times
 # measured on other machines): seconds per first call of a backend, per later shape.
 FIRST_CALL_S = {"torch-compile": (25.0, 4.0), "normtools-triton": (3.0, 1.0),
-                "liger": (3.0, 1.0), "normtools-torch": (0.5, 0.0), "torch-F": (0.5, 0.0)}
+                "normtools-triton-chunks": (3.0, 1.0), "liger": (3.0, 1.0),
+                "normtools-torch": (0.5, 0.0), "torch-F": (0.5, 0.0)}
 _LAUNCH_US = 6.0
 _SETUP_GBS = 200.0   # generating the rotated input sets on the device
 
@@ -195,6 +197,7 @@ def estimate_seconds(cases, backends, *, warmup, reps, bandwidth_gbs=4000.0,
     ``rotation_bytes``; warm: one), then for each backend its first call at a new shape (a
     compile for torch-compile, a JIT for Triton kernels: ``FIRST_CALL_S``, more the first time) and
     ``warmup + reps`` samples of max(bytes / bandwidth, launch latency), a sample lasting ≥ 20 µs.
+    A backend that does not time the case (``backends.offered``) adds nothing.
     """
     from normtools.measure.bench.timing import n_buffer_sets
 
@@ -205,7 +208,7 @@ def estimate_seconds(cases, backends, *, warmup, reps, bandwidth_gbs=4000.0,
         seconds = sets * moved / (_SETUP_GBS * 1e9)
         call_us = max(moved / (bandwidth_gbs * 1e3), _LAUNCH_US)
         sample_us = max(call_us, 20.0)
-        for backend in backends:
+        for backend in (b for b in backends if offered(case.op, b, case.shape)):
             first, later = FIRST_CALL_S.get(backend, (1.0, 0.5))
             key = (backend, case.op, tuple(case.shape.items()))
             if key not in compiled:   # a shape seen before (warm, then rotated) compiles once
