@@ -251,6 +251,16 @@ def test_committed_table_covers_every_case():
     assert set(table["op"]) == set(kt.OPS)
 
 
+def test_committed_a100_table_covers_the_long_rows():
+    """The A100 table chapter 4b shows (python -m normtools.measure.kernel_traffic --gpu a100
+    ...): the row ops at N = 16K ... 128K, and the chunked ones read their rows twice."""
+    table = pd.read_csv(COMMITTED.with_name("kernel_traffic_a100.csv"))
+    row_ops = [op for op in kt.OPS if not op.startswith("qk_norm")]
+    assert {(r.op, r.N) for r in table.itertuples()} == {
+        (op, n) for op in row_ops for n in kt.ROW_LENGTHS if n >= 16384}
+    assert (table[table["N"] >= 32768]["ratio"] >= 1.25).all()
+
+
 @pytest.mark.parametrize("op, shape", [
     ("rms_norm_fwd_bwd", {"M": 4096, "N": 2048}),
     ("add_rms_norm", {"M": 4096, "N": 32768}),

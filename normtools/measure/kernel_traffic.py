@@ -56,6 +56,10 @@ OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm", "layer_norm
 ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
 SIMULATED_PROGRAMS = 2
 REAL_M = 4096
+# GPUs whose launch plans the counter runs: SMs, compute capability, L2 (NVIDIA's data sheets).
+# The A100 (sm_80) has no thread-block clusters: its plan reads long rows in chunks.
+GPUS = {"h200": dict(sm_count=132, capability=90, l2_bytes=H200_L2_BYTES),
+        "a100": dict(sm_count=108, capability=80, l2_bytes=40 * 2**20)}
 
 
 @dataclasses.dataclass
@@ -239,8 +243,10 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
 
 def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
                    qk_layout=(*QK_HEADS, 128), sm_count=_launch.DEFAULT_SM_COUNT,
-                   l2_bytes=H200_L2_BYTES):
-    """Bytes touched ÷ minimum for every op and row length, with the CUDA launch plans.
+                   l2_bytes=H200_L2_BYTES, capability=_launch.DEFAULT_CAPABILITY):
+    """Bytes touched ÷ minimum for every op and row length, with the CUDA launch plans of a
+    GPU of ``sm_count`` SMs, compute capability ``capability`` and ``l2_bytes`` of L2
+    (default: an H200).
 
     Row ops run at (m, N) for N in ``ns``; QK ops at T = m tokens with (Hq, Hk, D) =
     ``qk_layout`` (one shape: N is head_dim per head and Hq · head_dim per layer). Returns a
@@ -257,7 +263,7 @@ def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
         else:
             shapes = [{"M": m, "N": n} for n in ns]
         for shape in shapes:
-            result = case_traffic(op, shape, dtype, sm_count, l2_bytes)
+            result = case_traffic(op, shape, dtype, sm_count, l2_bytes, capability)
             n = shape.get("N") or (shape["D"] if "per_head" in op else shape["Hq"] * shape["D"])
             ratios = {f"{k}_ratio": result[k] / result["minimum"]
                       for k in ("unique", "dram", "dram_no_hints") if k in result}
@@ -272,8 +278,13 @@ def main(argv=None):
     parser.add_argument("--csv", help="also write the table to this CSV file")
     parser.add_argument("--n", type=int, action="append", help="row length (repeatable; "
                         "default 1K ... 128K)")
+    parser.add_argument("--op", action="append", choices=OPS, help="op (repeatable; default "
+                        "all)")
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h200",
+                        help="the GPU whose launch plan and L2 are counted (default h200)")
     args = parser.parse_args(argv)
-    table = kernel_traffic(ns=tuple(args.n or ROW_LENGTHS))
+    table = kernel_traffic(ops=tuple(args.op or OPS), ns=tuple(args.n or ROW_LENGTHS),
+                           **GPUS[args.gpu])
     if args.csv:
         table.to_csv(args.csv, index=False)
     columns = ["op", "N", "ratio", "unique_ratio", "dram_ratio", "dram_no_hints_ratio",
