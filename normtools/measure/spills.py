@@ -3,9 +3,10 @@
 How it measures (no GPU needed):
 
 1. Record the launches. Each op runs on small CPU tensors inside
-   ``normtools.core._launch.planning_for_cuda`` (the CUDA launch plan: block sizes, chunking,
-   warps, grid) and ``recording_launches`` (each ``kernel[grid](*args, **kwargs)`` is recorded,
-   not run). M is small; the kernel's constexprs and warps depend on N and the dtype only.
+   ``normtools.core._launch.planning_for_cuda`` (the CUDA launch plan of each compute
+   capability: block sizes, chunking, warps, clusters from sm_90, grid) and
+   ``recording_launches`` (each ``kernel[grid](*args, **kwargs)`` is recorded, not run). M is
+   small; the kernel's constexprs, warps and CTAs depend on N, the dtype and the capability.
 2. Specialize as a launch would: Triton's own binder (``create_function_from_signature``)
    and ``JITFunction._pack_args`` turn the recorded arguments into the signature, constexprs
    and divisibility attributes that a CUDA launch of the same arguments compiles.
