@@ -106,7 +106,7 @@ atlas: $(STAMP)
 	$(VENV)/bin/normtools atlas --refresh
 
 # --- tests ------------------------------------------------------------------------------
-NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with tests/nbval_sanitize.cfg \
+NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with $(CURDIR)/tests/nbval_sanitize.cfg \
   --nbval-cell-timeout $(CELL_TIMEOUT)
 
 test: $(STAMP)

@@ -5,15 +5,17 @@
 * The chapters' sizes (normtools.book.sizes): the cpu ones never shrunk, the gpu ones divided by
   gpu_shrink within their floors, models still buildable.
 * Every chapter with a gpu_shrink parameter executed at size="gpu", gpu_shrink=64 on the CPU
-  (two at a time, into a temporary folder): it runs to the end. About 95 s for the eight
+  (two at a time in two processes, into a temporary folder): it runs to the end. About 95 s for the eight
   chapters on 2 cores; a chapter with a size but no gpu_shrink parameter fails.
 """
 
 import contextlib
 import json
+import multiprocessing
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor
+from itertools import repeat
 from pathlib import Path
 
 import pytest
@@ -189,33 +191,41 @@ CHAPTERS = sorted((p.stem for p in BOOK.glob("[0-9]*.ipynb")
                   key=lambda s: (not s.startswith(("04a", "04b", "07", "02")), s))
 
 
+def _execute_at_gpu_size(chapter, out):
+    """One chapter executed at size="gpu" into the folder ``out``: (chapter, (the executed
+    notebook's path or the error's text, seconds)). Runs in a process of its own: papermill
+    changes the working directory for a run, and threads would share it (two chapters at once
+    left this process in book/)."""
+    from normtools.book import build
+
+    start = time.perf_counter()
+    destination = Path(out) / f"{chapter}.ipynb"
+    try:
+        build.execute(BOOK / f"{chapter}.ipynb", destination, cell_timeout=300,
+                      parameters={"size": "gpu", "gpu_shrink": GPU_SHRINK, "threads": 1,
+                                  **EXTRA_PARAMETERS.get(chapter, {})})
+        result = destination
+    except Exception as exc:   # reported by the chapter's test
+        result = f"{type(exc).__name__}: {exc}"
+    return chapter, (result, time.perf_counter() - start)
+
+
 @pytest.fixture(scope="module")
 def gpu_runs(tmp_path_factory):
     """Each chapter with a size parameter executed with size="gpu", gpu_shrink=64 and
-    one thread, two chapters at a time, into a temporary folder (never into book/):
-    {chapter: (executed notebook path or the exception, seconds)}."""
-    from normtools.book import build
-
+    one thread, two chapters at a time in two processes, into a temporary folder (never into
+    book/): {chapter: (executed notebook path or the error's text, seconds)}. This process's
+    working directory is the same afterwards."""
     out = tmp_path_factory.mktemp("gpu_path")
-
-    def run(chapter):
-        start = time.perf_counter()
-        destination = out / f"{chapter}.ipynb"
-        try:
-            build.execute(BOOK / f"{chapter}.ipynb", destination, cell_timeout=300,
-                          parameters={"size": "gpu", "gpu_shrink": GPU_SHRINK, "threads": 1,
-                                      **EXTRA_PARAMETERS.get(chapter, {})})
-            result = destination
-        except Exception as exc:   # reported by the chapter's test
-            result = exc
-        return chapter, (result, time.perf_counter() - start)
-
+    cwd = os.getcwd()
     start = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=min(2, os.cpu_count() or 1)) as pool:
-        runs = dict(pool.map(run, CHAPTERS))
+    with ProcessPoolExecutor(max_workers=min(2, os.cpu_count() or 1),
+                             mp_context=multiprocessing.get_context("spawn")) as pool:
+        runs = dict(pool.map(_execute_at_gpu_size, CHAPTERS, repeat(out)))
     print(f"\nsize='gpu' path of {len(runs)} chapters in {time.perf_counter() - start:.0f} s "
           f"(load {os.getloadavg()[0]:.1f}): "
           + ", ".join(f"{c} {s:.0f} s" for c, (_, s) in runs.items()))
+    assert os.getcwd() == cwd
     return runs
 
 
@@ -224,7 +234,7 @@ def test_chapter_runs_to_the_end_at_the_shrunk_gpu_size(gpu_runs, chapter):
     assert "gpu_shrink" in _parameters_source(BOOK / f"{chapter}.ipynb"), (
         f"{chapter} has a size but no gpu_shrink parameter (see normtools.book.sizes)")
     result, _ = gpu_runs[chapter]
-    if isinstance(result, Exception):
+    if isinstance(result, str):
         pytest.fail(f"{chapter} at size='gpu', gpu_shrink={GPU_SHRINK}: {result}")
     cells = [c for c in json.loads(result.read_text())["cells"] if c["cell_type"] == "code"]
     injected = [c for c in cells if "injected-parameters" in c["metadata"].get("tags", [])]
