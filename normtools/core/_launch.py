@@ -405,6 +405,14 @@ def planning_for_cuda(sm_count=DEFAULT_SM_COUNT, capability=DEFAULT_CAPABILITY):
         _PLAN_TARGET.reset(token)
 
 
+def cuda_sm_count_and_capability(device):
+    """(SMs, compute capability as 10 · major + minor) of a CUDA ``device`` (index None: the
+    current device)."""
+    device = torch.device(device)
+    return _sm_count_and_capability(device.index if device.index is not None
+                                    else torch.cuda.current_device())
+
+
 @functools.cache
 def _sm_count_and_capability(index):
     properties = torch.cuda.get_device_properties(index)
@@ -418,10 +426,8 @@ def plan_for(kernel, dtype, m, n, device, slots=1):
     if target is not None:
         sm_count, capability = target
         return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
-    device = torch.device(device)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        sm_count, capability = _sm_count_and_capability(index)
+    if torch.device(device).type == "cuda":
+        sm_count, capability = cuda_sm_count_and_capability(device)
         return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
     return launch_plan(kernel, dtype, m, n, "cpu", slots=slots)
 

@@ -43,6 +43,7 @@ import triton.runtime.interpreter as triton_interpreter
 
 from normtools.core import _launch
 from normtools.core.rope import _launch_shape as rope_launch_shape
+from normtools.measure.bench.plan import rows_and_length
 from normtools.measure.bench.traffic import bytes_moved
 from normtools.measure.kernel_ops import QK_HEADS, op_inputs, run_on_triton
 from normtools.measure.l2_model import H200_L2_BYTES, LINE_BYTES, Access, dram_bytes
@@ -58,7 +59,8 @@ SIMULATED_PROGRAMS = 2
 REAL_M = 4096
 # GPUs whose launch plans the counter runs: SMs, compute capability, L2 (NVIDIA's data sheets).
 # The A100 (sm_80) has no thread-block clusters: its plan reads long rows in chunks.
-GPUS = {"h200": dict(sm_count=132, capability=90, l2_bytes=H200_L2_BYTES),
+GPUS = {"h200": dict(sm_count=_launch.DEFAULT_SM_COUNT, capability=_launch.DEFAULT_CAPABILITY,
+                     l2_bytes=H200_L2_BYTES),
         "a100": dict(sm_count=108, capability=80, l2_bytes=40 * 2**20)}
 
 
@@ -112,11 +114,11 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
         itemsize = np.dtype(triton_interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize
         lanes = np.broadcast_to(mask.data, ptrs.data.shape)
         table[hint] += int(lanes.sum()) * itemsize
-        addresses = ptrs.data[lanes].astype(np.uint64)
+        addresses = ptrs.data[lanes].astype(np.int64)
         state["runs"].append(_byte_runs(addresses, itemsize))
         if trace is not None:
             (x, y, z), (gx, gy, _) = builder.grid_idx, builder.grid_dim
-            addresses, size = addresses.astype(np.int64), itemsize
+            size = itemsize
             if trace_line:
                 addresses = np.unique(np.concatenate(
                     [addresses // trace_line, (addresses + itemsize - 1) // trace_line]))
@@ -158,7 +160,7 @@ def _byte_runs(addresses, itemsize):
     distinct bytes are kept in a few numbers per access, not 8 bytes per element."""
     if addresses.size == 0:
         return np.empty(0, np.int64), np.empty(0, np.int64)
-    a = np.unique(addresses.astype(np.int64))
+    a = np.unique(addresses.astype(np.int64, copy=False))
     breaks = np.flatnonzero(np.diff(a) != itemsize) + 1
     starts = a[np.concatenate(([0], breaks))]
     ends = a[np.concatenate((breaks - 1, [a.size - 1]))] + itemsize
@@ -192,9 +194,8 @@ def simulated_launch(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT,
                                      shape["Hk"], shape["D"], "per_layer" in op, dtype, "cpu")[0]
         sim = dict(shape, T=min(shape["T"], SIMULATED_PROGRAMS * plan.rows_per_program))
     elif op.startswith("qk_norm"):
-        per_head = "per_head" in op
-        m, n = shape["T"], shape["D"] if per_head else shape["Hq"] * shape["D"]
-        slots = shape["Hq"] + shape["Hk"] if per_head else 2
+        m, n = rows_and_length(op, shape)
+        slots = shape["Hq"] + shape["Hk"] if "per_head" in op else 2
         plan = _launch.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
                                    capability)
         sim = dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
@@ -264,7 +265,7 @@ def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
             shapes = [{"M": m, "N": n} for n in ns]
         for shape in shapes:
             result = case_traffic(op, shape, dtype, sm_count, l2_bytes, capability)
-            n = shape.get("N") or (shape["D"] if "per_head" in op else shape["Hq"] * shape["D"])
+            n = rows_and_length(op, shape)[1]
             ratios = {f"{k}_ratio": result[k] / result["minimum"]
                       for k in ("unique", "dram", "dram_no_hints") if k in result}
             rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),

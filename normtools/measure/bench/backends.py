@@ -6,7 +6,8 @@ from importlib import import_module, util
 import torch
 
 from normtools.core import _launch
-from normtools.measure.bench.plan import BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS
+from normtools.measure.bench.plan import (BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS,
+                                          rows_and_length)
 
 # ---------------------------------------------------------------------------------- backends
 
@@ -91,12 +92,8 @@ CHUNKED_CAPABILITY = 80     # an A100's plan: no clusters, long rows read in chu
 
 def clusters_matter(op, shape):
     """True when an sm_90 launch plan of ``op`` at ``shape`` runs a kernel on thread-block
-    clusters, so that the chunked plan (``CHUNKED_CAPABILITY``) launches it differently. The
-    row: N of a row op; QK-Norm's head_dim per head, Hq · head_dim per layer."""
-    if "N" in shape:
-        rows, n = shape["M"], shape["N"]
-    else:
-        rows, n = shape["T"], shape["D"] * (1 if "per_head" in op else shape["Hq"])
+    clusters, so that the chunked plan (``CHUNKED_CAPABILITY``) launches it differently."""
+    rows, n = rows_and_length(op, shape)
     return any(_launch.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
                for kernel in _CLUSTER_KERNELS.get(op, ()))
 
@@ -229,7 +226,7 @@ def backend_fn(op, backend, device, shape):
     else:
         fn = _no_grad(ops[op])
     if backend == "normtools-triton-chunks":
-        return on_chunked_plan(fn, torch.cuda.get_device_properties(device).multi_processor_count)
+        return on_chunked_plan(fn, _launch.cuda_sm_count_and_capability(device)[0])
     return fn
 
 

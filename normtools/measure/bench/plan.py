@@ -40,6 +40,14 @@ def default_shapes(device, quick=False):
     return {op: (rows if op in ROW_OPS else qk) for op in OPS}
 
 
+def rows_and_length(op, shape):
+    """(rows, N) of the rows ``op`` normalizes at ``shape``: (M, N) for a row op; for QK-Norm
+    (T, head_dim) per head and (T, Hq · head_dim) per layer (q's row, the longer one)."""
+    if "N" in shape:
+        return shape["M"], shape["N"]
+    return shape["T"], shape["D"] * (1 if "per_head" in op else shape["Hq"])
+
+
 def shape_label(shape):
     """"M=4096 N=2048" for a shape dict."""
     return " ".join(f"{k}={v}" for k, v in shape.items())
