@@ -108,15 +108,19 @@ atlas: $(STAMP)
 # --- tests ------------------------------------------------------------------------------
 NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with $(CURDIR)/tests/nbval_sanitize.cfg \
   --nbval-cell-timeout $(CELL_TIMEOUT)
+# Test files and chapters run in TEST_WORKERS processes (pytest-xdist), each file whole in one of
+# them (a chapter's cells share one kernel; a module's fixtures run once). 0: one process.
+TEST_WORKERS ?= 2
+XDIST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(VPY) -m pytest tests $(CHAPTERS) $(NBVAL_ARGS) -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
+	$(VPY) -m pytest tests $(CHAPTERS) $(NBVAL_ARGS) $(XDIST_ARGS) -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 # nbval alone: re-execute every chapter and compare with the stored outputs (NBVAL_ENV: extra
 # environment for the run).
 NBVAL_ENV ?=
 nbval: $(STAMP)
-	$(NBVAL_ENV) $(VPY) -m pytest $(CHAPTERS) $(NBVAL_ARGS) -p no:cacheprovider $(PYTEST_ARGS)
+	$(NBVAL_ENV) $(VPY) -m pytest $(CHAPTERS) $(NBVAL_ARGS) $(XDIST_ARGS) -p no:cacheprovider $(PYTEST_ARGS)
 
 # The same stored outputs must survive another numerical path (CI runs this after `make test`):
 # ATen's scalar kernels instead of AVX2/AVX-512 ones, MKL's ISA-independent GEMM path (its
@@ -128,7 +132,7 @@ nbval-perturbed: $(STAMP)
 	$(MAKE) nbval NBVAL_ENV="$(PERTURBED_ENV)"
 
 unit: $(STAMP)
-	$(VPY) -m pytest tests -p no:cacheprovider $(PYTEST_ARGS)
+	$(VPY) -m pytest tests $(XDIST_ARGS) -p no:cacheprovider $(PYTEST_ARGS)
 
 clean:
 	rm -rf _build
