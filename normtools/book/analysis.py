@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from normtools.cards.params import is_norm_module
 from normtools.core import reference
 
 __all__ = [
@@ -80,16 +81,11 @@ def rms_layer_gap_theory(mean_to_std: torch.Tensor) -> torch.Tensor:
     return (2.0 - 2.0 / torch.sqrt(1.0 + rho**2)).sqrt()
 
 
-def _is_norm(module: nn.Module) -> bool:
-    """torch.nn.LayerNorm, torch.nn.RMSNorm, normtools' and transformers' *RMSNorm / *LayerNorm."""
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith(("RMSNorm", "LayerNorm"))
-
-
 def norm_inputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
-    """The input of every norm module of ``model`` (see :func:`_is_norm`) during ``run()`` (a
-    callable that runs the model), as {module name: rows (-1, features), float32}: the rows its
-    statistics run over (tokens for block norms, heads for a per-head QK-Norm). A module called
-    several times keeps its rows from all calls, concatenated."""
+    """The input of every norm module of ``model`` (``normtools.cards.params.is_norm_module``)
+    during ``run()`` (a callable that runs the model), as {module name: rows (-1, features),
+    float32}: the rows its statistics run over (tokens for block norms, heads for a per-head
+    QK-Norm). A module called several times keeps its rows from all calls, concatenated."""
     captured: dict[str, list[torch.Tensor]] = {}
 
     def keep(name):
@@ -97,7 +93,7 @@ def norm_inputs(model: nn.Module, run) -> dict[str, torch.Tensor]:
             captured.setdefault(name, []).append(args[0].detach().float().reshape(-1, args[0].shape[-1]))
         return hook
 
-    handles = [m.register_forward_pre_hook(keep(name)) for name, m in model.named_modules() if _is_norm(m)]
+    handles = [m.register_forward_pre_hook(keep(name)) for name, m in model.named_modules() if is_norm_module(m)]
     try:
         with torch.no_grad():
             run()

@@ -40,6 +40,7 @@ import signal
 import time
 from importlib import resources
 
+from normtools.cards.params import is_norm_module
 from normtools.cards.types import ModelNormSpec, NormSpec, OtherNorm, ProjectionBiases, QKNormSpec, SpecError
 
 PROBE_VERSION = 2
@@ -167,14 +168,7 @@ def causal_lm_model_types() -> tuple:
 # one norm module
 # --------------------------------------------------------------------------------------------
 
-_NORM_CLASS = re.compile(r".*(LayerNorm|RMSNorm|RmsNorm|GroupNorm|Norm)$")
 _EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps")
-
-
-def is_norm_module(module) -> bool:
-    """A leaf normalization module: its class is a *Norm and it holds no other norm."""
-    return bool(_NORM_CLASS.match(type(module).__name__)) and not any(
-        _NORM_CLASS.match(type(m).__name__) for m in list(module.modules())[1:])
 
 
 def _read_eps(module):

@@ -143,8 +143,11 @@ BIAS_KEYS = ("attention_biases", "mlp_biases", "router_biases", "lm_head_bias", 
 
 
 def is_norm_module(module) -> bool:
-    """A normalization module: its class name contains "Norm" (LayerNorm, LlamaRMSNorm, ...)."""
-    return "norm" in type(module).__name__.lower()
+    """A leaf normalization module: its class name ends in "Norm" (LayerNorm, LlamaRMSNorm,
+    GroupNorm, ...) and it holds no other such module. The one rule of every chapter and of the
+    atlas."""
+    return type(module).__name__.endswith("Norm") and not any(
+        type(m).__name__.endswith("Norm") for m in list(module.modules())[1:])
 
 
 def bias_parameters(model) -> dict:
