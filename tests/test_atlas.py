@@ -85,6 +85,14 @@ TRUTH = {
     "llama4_text": ("rms", 1e-5, 0, N, "llama", "pre", T, "per_head", N, NO_BIAS, N),
     # BERT (BertLMHeadModel): LayerNorm(x + sublayer(x)) inside BertSelfOutput / BertOutput
     "bert": ("layer", 1e-12, 0, T, "torch", "post", T, "none", None, ALL, T),
+    # Qwen3-Next, a hybrid: three of every four layers are linear attention (a gated DeltaNet
+    # with a Qwen3NextRMSNormGated inside, no q/k norm), the fourth full attention with
+    # q_norm/k_norm = Qwen3NextRMSNorm(head_dim) before apply_rotary_pos_emb. Qwen3NextRMSNorm:
+    # weight zeros, x̂ · (1 + w.float()), cast back; eps 1e-6; attention_bias False
+    "qwen3_next": ("rms", 1e-6, 1, N, "gemma", "pre", T, "per_head", T, NO_BIAS, N),
+    # OLMo hybrid: attention layers as OLMo 2 (norms on the sublayer outputs, q_norm over H·D
+    # on q_proj(x) before RoPE), linear-attention layers with an input_layernorm: mixed
+    "olmo_hybrid": ("rms", 1e-6, 0, N, "gemma", "mixed", T, "per_layer", T, NO_BIAS, N),
 }
 
 
@@ -119,7 +127,8 @@ def test_the_atlas_is_of_the_installed_transformers(committed):
 
 
 # a sample of families re-probed now must give the committed cards (a few seconds each)
-SAMPLE = ("llama", "olmo2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss", "bert", "llama4_text")
+SAMPLE = ("llama", "olmo2", "gemma3_text", "cohere", "deepseek_v3", "gpt_oss", "bert", "llama4_text",
+          "qwen3_next")
 
 
 @pytest.mark.parametrize("model_type", SAMPLE)
@@ -226,3 +235,25 @@ def test_llama4_weightless_qk_norm_is_recorded_as_its_qk_norm(committed):
     assert not [o for o in spec.other_norms if "qk_norm" in o.name]
     row = next(r for r in atlas.atlas_rows(committed) if r["model_type"] == "llama4_text")
     assert (row["qk_norm"], row["qk_weight"]) == ("per_head", "no weight")
+
+
+def test_gated_norms_of_linear_attention_are_norms_and_named(committed):
+    """Qwen3-Next's linear-attention layers hold a Qwen3NextRMSNormGated (its forward takes a
+    gate); it is a norm module and the card names it, with why it was not probed."""
+    from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
+
+    from normtools.cards.params import is_norm_module
+
+    assert is_norm_module(Qwen3NextRMSNormGated(8))
+    spec = atlas.atlas_spec("qwen3_next", committed)
+    assert any(note.startswith("linear_attn.norm: Qwen3NextRMSNormGated not probed")
+               for note in spec.notes), spec.notes
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "olmo_hybrid", "qwen3"])
+def test_qk_norm_is_read_from_the_first_layer_with_full_attention(model_type, committed):
+    """In a hybrid the first layers are linear attention: the QK-Norm is read from the first
+    layer whose config type is full attention (layer 0 when the config has no layer types)."""
+    config = atlas.tiny_family_config(model_type)
+    layer_types = getattr(config, "layer_types", None) or ["full_attention"]
+    assert committed["families"][model_type]["probe"]["qk_layer"] == layer_types.index("full_attention")

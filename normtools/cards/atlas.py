@@ -20,8 +20,11 @@ weights, CPU) and measures the modules while they run:
   = output norms only, post = post norms; layers that differ make the family "mixed";
 * **QK-Norm**: a q/k norm inside attention; scope by perturbing one head of its input and
   seeing which heads of its output move (one head: per head; all: per layer), the weight shape
-  ((head_dim,), (H, head_dim), (H*head_dim,)), and before/after RoPE: with one token repeated at
-  every position, a norm before RoPE sees the same row at every position;
+  ((head_dim,), (H, head_dim), (H*head_dim,)), and before/after RoPE: the same tokens run again
+  with every position id moved by the same offset; relative positions do not change, so only
+  RoPE's rotation does, and a norm before RoPE reads the same input both times (undetermined
+  when the model's rotary embedding ignores the offset). The first layer with a q/k norm is
+  probed: in a hybrid (Qwen3-Next, `qwen3_5`) layer 0 may be linear attention, without one;
 * **final norm** (the norm whose output is the LM head's input), **other norms** (latent norms,
   embedding norms, norms inside mixers), **projection biases** and **attention sinks**
   (from the parameters).
@@ -43,12 +46,13 @@ from importlib import resources
 from normtools.cards.params import is_norm_module
 from normtools.cards.types import ModelNormSpec, NormSpec, OtherNorm, ProjectionBiases, QKNormSpec, SpecError
 
-PROBE_VERSION = 2
+PROBE_VERSION = 3
 ATLAS_FILE = resources.files("normtools.cards").joinpath("data", "atlas.json")
 
 # the probe's tiny shapes: hidden 64, 4 heads of 8 (H*D = 32 differs from hidden, so a per-layer
 # QK-Norm cannot pass for a block norm), 2 kv heads, MLA latent ranks that differ from both
 _HIDDEN, _HEADS, _KV_HEADS, _HEAD_DIM, _FFN, _TOKENS = 64, 4, 2, 8, 96, 7
+_POSITION_SHIFT = 5   # the position ids' offset of the before/after-RoPE probe
 _Q_LORA, _KV_LORA = 40, 24
 _SECONDS_PER_FAMILY = 30
 
@@ -334,15 +338,20 @@ def _first_tensor(args, kwargs):
     import torch
 
     for value in list(args) + [kwargs.get("hidden_states")] + list(kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dtype.is_floating_point:
+        if isinstance(value, torch.Tensor) and _is_real_or_complex(value):
             return value.detach().clone()
         if isinstance(value, (tuple, list)):
             for v in value:
-                if isinstance(v, torch.Tensor) and v.dtype.is_floating_point:
+                if isinstance(v, torch.Tensor) and _is_real_or_complex(v):
                     return v.detach().clone()
         if hasattr(value, "last_hidden_state") or hasattr(value, "logits"):
             return _first_tensor((getattr(value, "last_hidden_state", None) or value.logits,), {})
     return None
+
+
+def _is_real_or_complex(tensor) -> bool:
+    """A floating-point or complex tensor (Llama 4's rotary embedding returns complex freqs)."""
+    return tensor.dtype.is_floating_point or tensor.dtype.is_complex
 
 
 def _same(a, b) -> bool:
@@ -471,14 +480,12 @@ def _one_line(e) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def _token_ids(text_config, count, constant=False):
+def _token_ids(text_config, count):
     import torch
 
     special = {v for k, v in text_config.to_dict().items() if k.endswith("token_id") and isinstance(v, int)}
     vocab = getattr(text_config, "vocab_size", 256) or 256
     ids = [i for i in range(3, vocab) if i not in special]
-    if constant:
-        return torch.tensor([[ids[0]] * count])
     gen = torch.Generator().manual_seed(1)
     return torch.tensor([ids[i] for i in torch.randint(0, min(len(ids), 200), (count,), generator=gen)])[None]
 
@@ -509,30 +516,47 @@ def _probe_model(model, config, defaults) -> dict:
     head = model.get_output_embeddings()
     if head is not None:
         rec.watch("<lm_head>", head)
+    rotary = [(n, m) for n, m in model.named_modules() if _is_rotary(m)]
+    for name, m in rotary:
+        rec.watch(name, m)
+    ids = _token_ids(text, _TOKENS)
     try:
         with torch.no_grad():
-            model(input_ids=_token_ids(text, _TOKENS), use_cache=False)
+            model(input_ids=ids, use_cache=False)
         random_calls = rec.calls
         rec.calls = {}
-        with torch.no_grad():
-            model(input_ids=_token_ids(text, _TOKENS, constant=True), use_cache=False)
-        constant_calls = rec.calls
+        try:   # the same tokens, every position id moved by _POSITION_SHIFT (before/after RoPE)
+            with torch.no_grad():
+                model(input_ids=ids, position_ids=torch.arange(_TOKENS)[None] + _POSITION_SHIFT,
+                      use_cache=False)
+            shifted_calls = rec.calls
+        except Exception:  # noqa: BLE001 - a forward without position_ids: RoPE undetermined
+            shifted_calls = {}
     finally:
         rec.remove()
+    # the shift reached the rotary embedding (its cos/sin moved): otherwise nothing can tell
+    rotations = [(random_calls[n][0][1], shifted_calls[n][0][1]) for n, _ in rotary
+                 if n in random_calls and n in shifted_calls]
+    shift_seen = any(a is not None and b is not None and not _same(a, b) for a, b in rotations)
     ran = [(p, ls) for p, ls in candidates if f"{p}.0" in random_calls]
     if not ran:
         raise ProbeError("classify", f"none of the layer lists ran ({', '.join(p for p, _ in candidates)})")
     prefix, layers = ran[0]
-    return _classify(model, prefix, layers, norms, random_calls, constant_calls, text, defaults,
-                     hidden, head_dim, heads)
+    return _classify(model, prefix, layers, norms, random_calls,
+                     shifted_calls if shift_seen else {}, text, defaults, hidden, head_dim, heads)
+
+
+def _is_rotary(module) -> bool:
+    return "Rotary" in type(module).__name__ or "Rope" in type(module).__name__
 
 
 def _inside(name, parent) -> bool:
     return name.startswith(parent + ".")
 
 
-def _classify(model, prefix, layers, norms, calls, constant_calls, text, defaults, hidden, head_dim, heads):
-    has_rope = any("Rotary" in type(m).__name__ or "Rope" in type(m).__name__ for m in model.modules())
+def _classify(model, prefix, layers, norms, calls, shifted_calls, text, defaults, hidden, head_dim,
+              heads):
+    has_rope = any(_is_rotary(m) for m in model.modules())
     probes, notes = {}, []
 
     def probe(name):
@@ -542,6 +566,8 @@ def _classify(model, prefix, layers, norms, calls, constant_calls, text, default
         return probes[name]
 
     layer_labels, per_sublayer, layer0_block, qk, others = [], [], [], {}, []
+    other_locals = set()   # the other norms' names within a layer, each kept from its first layer
+    qk_layer = None        # the first layer with a q/k norm
     for i in range(len(layers)):
         lname = f"{prefix}.{i}"
         if lname not in calls:
@@ -564,7 +590,8 @@ def _classify(model, prefix, layers, norms, calls, constant_calls, text, default
             elif dim == hidden and not any(_inside(n, s) and _ATTN_NAME.match(s.rsplit(".", 1)[-1])
                                             and not _is_post_in(n, s, calls, subs) for s in subs):
                 block.append(n)
-            elif i == 0:
+            elif local not in other_locals:
+                other_locals.add(local)
                 others.append(n)
         labels, stream = {}, {}
         primary = [s for s in subs if sum(p.numel() for p in _module(model, s).parameters()) > 0
@@ -598,9 +625,14 @@ def _classify(model, prefix, layers, norms, calls, constant_calls, text, default
                             "none" if not kinds else "mixed")
         if i == 0:
             layer0_block = block
+        # QK-Norm from the first layer that has it: in a hybrid (Qwen3-Next) layer 0 may be
+        # linear attention, without q/k norms
+        if qk_here and qk_layer is None:
+            qk_layer = i
             for n in qk_here:
                 try:
-                    qk[n] = _probe_qk(norms[n], calls[n][0][0], constant_calls.get(n, [(None, None)])[0][0],
+                    qk[n] = _probe_qk(norms[n], calls[n][0][0],
+                                      shifted_calls.get(n, [(None, None)])[0][0],
                                       n[len(lname) + 1:], head_dim, heads, has_rope)
                 except Exception:  # noqa: BLE001 - a q/k norm with other inputs (Zaya's takes q and k)
                     others.append(n)  # is reported among the other norms, with the reason
@@ -625,6 +657,7 @@ def _classify(model, prefix, layers, norms, calls, constant_calls, text, default
     row["probe"].update(layer_placements=layer_labels, sublayer_placements=per_sublayer,
                         block_norms=block_probes, final_norm=final_probe,
                         final_norm_name=final, other_norms=other_probes, has_rope=has_rope,
+                        qk_layer=qk_layer,
                         tiny_config=_tiny_summary(text))
     return row
 
@@ -639,9 +672,10 @@ def _module(model, name):
     return model.get_submodule(name)
 
 
-def _probe_qk(module, inp, constant_inp, local_name, head_dim, heads, has_rope) -> dict:
-    """QK-Norm scope by perturbing one head; weight shape; before/after RoPE. ``which``: "q",
-    "k", or "qk" for one module applied to both (probed on q's heads)."""
+def _probe_qk(module, inp, shifted_inp, local_name, head_dim, heads, has_rope) -> dict:
+    """QK-Norm scope by perturbing one head; weight shape; before/after RoPE (``shifted_inp``:
+    its input with every position id moved, None when undetermined). ``which``: "q", "k", or
+    "qk" for one module applied to both (probed on q's heads)."""
     import torch
 
     last = local_name.rsplit(".", 1)[-1].lower()
@@ -676,15 +710,11 @@ def _probe_qk(module, inp, constant_inp, local_name, head_dim, heads, has_rope) 
         elif moved_heads == h:
             scope = "per_layer"
     before_rope = None
-    if has_rope and constant_inp is not None:
-        t_axis = next((a for a in range(constant_inp.dim() - 1) if constant_inp.shape[a] == _TOKENS), None)
-        if t_axis is not None:
-            rows = constant_inp.movedim(t_axis, 0)
-            # equal up to GEMM rounding (rows at different positions may take different kernel paths);
-            # RoPE moves them by O(1)
-            scale = rows.abs().max().item() + 1e-30
-            before_rope = bool(all(torch.allclose(rows[0], rows[t], rtol=0, atol=1e-4 * scale)
-                                   for t in range(1, rows.shape[0])))
+    if has_rope and shifted_inp is not None:
+        # the same GEMMs on the same tokens: equal up to rounding before RoPE; RoPE moves them by
+        # O(1) of the rows' scale
+        scale = inp.abs().max().item() + 1e-30
+        before_rope = bool(torch.allclose(inp, shifted_inp, rtol=0, atol=1e-4 * scale))
     norm = probe_norm(module, tuple(inp.shape))
     _, weight = _scale_param(module)
     return {"which": which, "scope": scope, "moved_heads": moved_heads, "heads": h,
@@ -780,16 +810,18 @@ def _spec_row(model, prefix, layers, text, defaults, placement, block_probes, fi
     biases, unnamed = _biases(model, prefix, layers, notes)
     if unnamed:
         notes.append("attention linears with a bias that no name rule maps: " + ", ".join(unnamed))
-    lname = f"{prefix}.0."
     other = []
     for n, p in other_probes.items():
-        if p.get("kind") not in ("rms", "layer"):
-            notes.append(f"{n[len(lname):] if n.startswith(lname) else n}: {p['class']} not probed "
-                         f"({p.get('error', p.get('kind'))})")
-            continue
         per_layer = n.startswith(prefix + ".")
         base = getattr(model, "base_model_prefix", "") + "."
         local = n[len(prefix) + 1:].split(".", 1)[1] if per_layer else n.removeprefix(base)
+        if p.get("kind") not in ("rms", "layer"):
+            notes.append(f"{local if per_layer else n}: {p['class']} not probed "
+                         f"({p.get('error', p.get('kind'))})")
+            continue
+        if p["class"].endswith("NormGated"):
+            notes.append(f"{local if per_layer else n}: {p['class']} is gated (its input or "
+                         "output times silu(gate)); probed without a gate")
         dim = p["weight_shape"][-1] if p["weight_shape"] else 0
         other.append(OtherNorm(local, per_layer, _default_size(int(dim), text, defaults), _norm_spec(p)))
     sinks = any("sink" in n for n, _ in layers[0].named_parameters())

@@ -142,12 +142,16 @@ _MLP_COUNTERS = {
 BIAS_KEYS = ("attention_biases", "mlp_biases", "router_biases", "lm_head_bias", "pooler_biases")
 
 
+_NORM_CLASS_ENDINGS = ("Norm", "NormGated")
+
+
 def is_norm_module(module) -> bool:
     """A leaf normalization module: its class name ends in "Norm" (LayerNorm, LlamaRMSNorm,
-    GroupNorm, ...) and it holds no other such module. The one rule of every chapter and of the
-    atlas."""
-    return type(module).__name__.endswith("Norm") and not any(
-        type(m).__name__.endswith("Norm") for m in list(module.modules())[1:])
+    GroupNorm, ...) or "NormGated" (the gated RMSNorm of linear-attention layers, Qwen3-Next's
+    ``linear_attn.norm``), and it holds no other such module. The one rule of every chapter and
+    of the atlas."""
+    return type(module).__name__.endswith(_NORM_CLASS_ENDINGS) and not any(
+        type(m).__name__.endswith(_NORM_CLASS_ENDINGS) for m in list(module.modules())[1:])
 
 
 def bias_parameters(model) -> dict:
