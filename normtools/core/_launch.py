@@ -320,7 +320,10 @@ CUDA_ROW_CONFIGS["rope_bwd", 2] = _without_clusters(CUDA_ROW_CONFIGS["bwd", 2][:
     RowConfig(1 << 62, 2048, 16, 2048, "per_layer rows past a tile, read twice; at sm_90 "
               "tiles of 4096 in 16 warps spill 8 B (N = 65536: 2 heads of 2048), of 2048 in 8 "
               "warps 4 B in float16 (N = 16384): tiles of 2048 in 16 warps"),)
-CUDA_ROW_CONFIGS["rope_bwd", 4] = _without_clusters(CUDA_ROW_CONFIGS["bwd", 4])
+CUDA_ROW_CONFIGS["rope_bwd", 4] = _without_clusters(CUDA_ROW_CONFIGS["bwd", 4][:-1]) + (
+    dataclasses.replace(CUDA_ROW_CONFIGS["bwd", 4][-1],
+                        reason="per_layer rows past a tile, read twice: tiles of 2048 in 8 warps, "
+                               "the float32 chunks of the norms' backward"),)
 del _, _size
 
 
