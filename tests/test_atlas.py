@@ -257,3 +257,11 @@ def test_qk_norm_is_read_from_the_first_layer_with_full_attention(model_type, co
     config = atlas.tiny_family_config(model_type)
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     assert committed["families"][model_type]["probe"]["qk_layer"] == layer_types.index("full_attention")
+
+
+def test_biases_are_read_from_every_layer_and_a_per_expert_score_bias_is_the_routers(committed):
+    """AFMoE's first layer is dense (num_dense_layers = 1); its MoE layers hold
+    ``expert_bias = nn.Parameter(zeros(num_experts))``, added to the router's scores before
+    top-k: a router bias, and the experts' projections have none (bias=False)."""
+    biases = atlas.atlas_spec("afmoe", committed).biases
+    assert (biases.router, biases.experts) == (True, False)

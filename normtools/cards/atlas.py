@@ -752,7 +752,9 @@ _BIAS_NAMES = (  # (regex on a Linear's local name in the attention module, proj
 
 
 def _biases(model, prefix, layers, notes) -> tuple:
-    """(ProjectionBiases from the parameters of the first layer with an attention, unnamed linears)."""
+    """(ProjectionBiases from the parameters of every layer with an attention or another token
+    mixer, a bias found in any of them; the unnamed linears, each once). A hybrid's layers differ:
+    Qwen3-Next's first layers are linear attention, its fourth full attention."""
     import torch
 
     found = dict(q=False, k=False, v=False, o=False, mlp=False, router=False, experts=False)
@@ -768,9 +770,14 @@ def _biases(model, prefix, layers, notes) -> tuple:
                 if "bias" not in pname or is_norm_module(module):
                     continue
                 local = name.rsplit(".", 1)[-1]
-                if "expert" in name or "expert" in pname:
+                # a bias of one value per expert shifts the routing scores (AFMoE's expert_bias;
+                # DeepSeek-V3 keeps its e_score_correction_bias as a buffer, not a parameter, so
+                # it is not counted): the router's, not the experts'
+                per_expert_score = p.dim() == 1 and "expert" in pname
+                if ("expert" in name or "expert" in pname) and not per_expert_score:
                     found["experts"] = True
-                elif re.fullmatch(r"(gate|router|wg|gating)", local) or "router" in pname:
+                elif re.fullmatch(r"(gate|router|wg|gating)", local) or "router" in pname or \
+                        per_expert_score:
                     found["router"] = True
                 elif is_attn and isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) or \
                         (is_attn and type(module).__name__ == "Conv1D"):
@@ -780,10 +787,10 @@ def _biases(model, prefix, layers, notes) -> tuple:
                                 found[{"q": "q", "k": "k", "v": "v", "o": "o"}[w]] = True
                             break
                     else:
-                        unnamed.append(name)
+                        if name not in unnamed:
+                            unnamed.append(name)
                 elif not is_attn and isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
                     found["mlp"] = True
-        break
     head = model.get_output_embeddings()
     lm_head = head is not None and getattr(head, "bias", None) is not None
     return ProjectionBiases(**found, lm_head=lm_head), unnamed
