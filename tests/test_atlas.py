@@ -265,3 +265,13 @@ def test_biases_are_read_from_every_layer_and_a_per_expert_score_bias_is_the_rou
     top-k: a router bias, and the experts' projections have none (bias=False)."""
     biases = atlas.atlas_spec("afmoe", committed).biases
     assert (biases.router, biases.experts) == (True, False)
+
+
+def test_the_tiny_model_has_a_layer_of_each_kind(committed):
+    """Jamba's defaults put attention on every 8th layer from layer 4 (attn_layer_period,
+    attn_layer_offset): a tiny model of its first layers would be all Mamba. The tiny config
+    keeps one layer of each kind, and the probe sees the attention layer's norms."""
+    config = atlas.tiny_family_config("jamba")
+    assert set(config.layers_block_type) == {"mamba", "attention"}
+    sublayers = committed["families"]["jamba"]["probe"]["sublayer_placements"]
+    assert any("self_attn" in layer for layer in sublayers), sublayers

@@ -86,7 +86,9 @@ def _shrink_values(defaults: dict) -> dict:
 
     Per-layer lists (``layer_types``, ``mlp_layer_types``, per-layer sizes) keep the first layer
     of every distinct kind (at least two layers, at most four); per-layer dicts keyed by layer
-    index follow them. Unset head sizes get the probe's sizes."""
+    index follow them. A layer pattern given by a period and an offset (Jamba's attention every
+    8 layers from layer 4) gets period 2, so that the tiny model has a layer of each kind.
+    Unset head sizes get the probe's sizes."""
     out = {}
     heads = next((defaults[k] for k in ("num_attention_heads", "n_head", "n_heads") if isinstance(defaults.get(k), int)), None)
     for key, value in defaults.items():
@@ -113,6 +115,10 @@ def _shrink_values(defaults: dict) -> dict:
     if "is_decoder" in defaults:
         out["is_decoder"] = True
     out.update(_keep_layer_kinds(defaults, heads))
+    for kind in ("attn", "expert"):   # Jamba: layer i is attention if i % period == offset
+        period, offset = (defaults.get(f"{kind}_layer_{k}") for k in ("period", "offset"))
+        if isinstance(period, int) and isinstance(offset, int) and period > 2:
+            out[f"{kind}_layer_period"], out[f"{kind}_layer_offset"] = 2, offset % period and 1
     return out
 
 
