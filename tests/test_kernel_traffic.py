@@ -178,7 +178,7 @@ def test_long_rows_read_once_on_clusters(op, m, n):
     small M: forward+backward runs at M = 2048 (at 512 it is 9 % above the minimum)."""
     shape = {"M": m, "N": n}
     h200 = kt.case_traffic(op, shape, l2_bytes=None)
-    a100 = kt.case_traffic(op, shape, sm_count=108, capability=80, l2_bytes=None)
+    a100 = kt.case_traffic(op, shape, **{**kt.GPUS["a100"], "l2_bytes": None})
     assert 1.0 <= h200["ratio"] <= 1.05, h200
     assert a100["ratio"] >= 1.25, a100
 

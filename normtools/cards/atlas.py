@@ -522,7 +522,8 @@ def _probe_model(model, config, defaults) -> dict:
     head = model.get_output_embeddings()
     if head is not None:
         rec.watch("<lm_head>", head)
-    rotary = [(n, m) for n, m in model.named_modules() if _is_rotary(m)]
+    rotary = [(n, m) for n, m in model.named_modules()
+              if "Rotary" in type(m).__name__ or "Rope" in type(m).__name__]
     for name, m in rotary:
         rec.watch(name, m)
     ids = _token_ids(text, _TOKENS)
@@ -549,20 +550,18 @@ def _probe_model(model, config, defaults) -> dict:
         raise ProbeError("classify", f"none of the layer lists ran ({', '.join(p for p, _ in candidates)})")
     prefix, layers = ran[0]
     return _classify(model, prefix, layers, norms, random_calls,
-                     shifted_calls if shift_seen else {}, text, defaults, hidden, head_dim, heads)
-
-
-def _is_rotary(module) -> bool:
-    return "Rotary" in type(module).__name__ or "Rope" in type(module).__name__
+                     shifted_calls if shift_seen else {}, bool(rotary), text, defaults, hidden,
+                     head_dim, heads)
 
 
 def _inside(name, parent) -> bool:
     return name.startswith(parent + ".")
 
 
-def _classify(model, prefix, layers, norms, calls, shifted_calls, text, defaults, hidden, head_dim,
-              heads):
-    has_rope = any(_is_rotary(m) for m in model.modules())
+def _classify(model, prefix, layers, norms, calls, shifted_calls, has_rope, text, defaults, hidden,
+              head_dim, heads):
+    """``shifted_calls``: the calls of the run with every position id moved, empty when the
+    rotary embedding did not see the shift (or there is none: ``has_rope`` False)."""
     probes, notes = {}, []
 
     def probe(name):
@@ -639,7 +638,7 @@ def _classify(model, prefix, layers, norms, calls, shifted_calls, text, defaults
                 try:
                     qk[n] = _probe_qk(norms[n], calls[n][0][0],
                                       shifted_calls.get(n, [(None, None)])[0][0],
-                                      n[len(lname) + 1:], head_dim, heads, has_rope)
+                                      n[len(lname) + 1:], head_dim, heads)
                 except Exception:  # noqa: BLE001 - a q/k norm with other inputs (Zaya's takes q and k)
                     others.append(n)  # is reported among the other norms, with the reason
     placement = layer_labels[0] if len(set(layer_labels)) == 1 else "mixed"
@@ -678,7 +677,7 @@ def _module(model, name):
     return model.get_submodule(name)
 
 
-def _probe_qk(module, inp, shifted_inp, local_name, head_dim, heads, has_rope) -> dict:
+def _probe_qk(module, inp, shifted_inp, local_name, head_dim, heads) -> dict:
     """QK-Norm scope by perturbing one head; weight shape; before/after RoPE (``shifted_inp``:
     its input with every position id moved, None when undetermined). ``which``: "q", "k", or
     "qk" for one module applied to both (probed on q's heads)."""
@@ -716,7 +715,7 @@ def _probe_qk(module, inp, shifted_inp, local_name, head_dim, heads, has_rope) -
         elif moved_heads == h:
             scope = "per_layer"
     before_rope = None
-    if has_rope and shifted_inp is not None:
+    if shifted_inp is not None:
         # the same GEMMs on the same tokens: equal up to rounding before RoPE; RoPE moves them by
         # O(1) of the rows' scale
         scale = inp.abs().max().item() + 1e-30
