@@ -2,7 +2,6 @@
 
 import hashlib
 
-import matplotlib
 import numpy as np
 import pandas as pd
 import pytest
@@ -10,11 +9,8 @@ import torch
 
 from normtools.lab import data
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
-from normtools.lab.train import (lr_at, lr_sensitivity, lr_sweep, per_layer, plot_per_layer, plot_runs,
-                             spike_score, train)
+from normtools.lab.train import lr_at, lr_sensitivity, lr_sweep, per_layer, spike_score, train
 
-
-matplotlib.use("Agg")
 
 
 @pytest.fixture(scope="module")
@@ -195,21 +191,6 @@ def test_lr_sweep_trains_a_fresh_model_per_lr(text):
     row = sweep.iloc[1]
     assert row["final_loss"] == direct.attrs["final_loss"]
     assert row["logit_max"] == direct["logit_max"].max()
-
-
-def test_plots_draw_the_records(text):
-    runs = {lr: train(tiny_model(), text, 5, lr, batch_size=2, quiet=True, eval_batches=0)
-            for lr in (1e-3, 1e-2)}
-    fig = plot_runs(runs, metrics=("loss", "logit_max"))
-    loss_axis, logit_axis = fig.axes
-    assert loss_axis.get_xlabel() == "step" and loss_axis.get_ylabel() == "training loss"
-    assert logit_axis.get_yscale() == "log"
-    assert [line.get_label() for line in loss_axis.get_lines()] == ["0.001", "0.01"]
-    np.testing.assert_array_equal(loss_axis.get_lines()[1].get_ydata(), runs[1e-2]["loss"])
-    fig = plot_per_layer(runs[1e-2], "act_rms")
-    lines = fig.axes[0].get_lines()
-    assert [line.get_label() for line in lines] == ["layer 0", "layer 1"]
-    np.testing.assert_array_equal(lines[1].get_ydata(), runs[1e-2]["act_rms_1"])
 
 
 @pytest.mark.gpu

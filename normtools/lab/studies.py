@@ -7,8 +7,9 @@ writes one JSON file (default ``book/data/studies/STUDY.json``) with the conditi
 steps, batch, seeds, optimizer, precision, versions, machine, threads, wall time) and one record
 per run: the cell, the summary of :func:`normtools.lab.experiments.summarize`, the last step's
 per-layer values and the per-step curves of :data:`CURVES`. The chapter renders that file with
-:func:`load_study`; :func:`check_rerun` trains one seed of one configuration again and says
-whether each of its numbers falls within the range the committed seeds span.
+:func:`load_study`; :func:`rerun` trains one seed of one configuration again and
+:func:`compare_rerun` says whether each of its numbers falls within the range the committed seeds
+span.
 
 ``size="gpu"`` runs the same study at the larger settings (write it to another file).
 """
@@ -37,7 +38,7 @@ CURVES = ("loss", "grad_norm", "logit_max", "log_z")
 #: Where ``normtools lab run`` writes a study by default (relative to the repository root).
 DEFAULT_DIR = Path("book") / "data" / "studies"
 
-#: Relative widening of the committed [min, max] range in :func:`check_rerun`, per metric:
+#: Relative widening of the committed [min, max] range in :func:`compare_rerun`, per metric:
 #: losses are reproducible to a few parts in a thousand; the peak logit of a chaotic run is not.
 CHECK_TOLERANCE = {"final_loss": 0.02, "logit_max_peak": 0.5, "attn_entropy": 0.25}
 
@@ -55,7 +56,7 @@ class Study:
     steps: int | None = None          # None: the size's steps
     spike_window: int = 1000
     spike_k: float = 7.0
-    check: dict = field(default_factory=dict)  # the configuration check_rerun trains by default
+    check: dict = field(default_factory=dict)  # the configuration rerun trains by default
 
     def settings(self, size: str) -> dict:
         """The size's settings with this study's steps and learning rates."""
@@ -242,14 +243,6 @@ def compare_rerun(document: dict, chosen: dict, record: dict,
                      "committed_min": lo, "committed_max": hi, "n_seeds": len(values),
                      "rerun": value, "within": bool(lo / (1 + tol) <= value <= hi * (1 + tol))})
     return pd.DataFrame(rows)
-
-
-def check_rerun(document: dict, variant: str | None = None, lr: float | None = None,
-                seed: int | None = None, metrics=tuple(CHECK_TOLERANCE), data=None) -> "pandas.DataFrame":
-    """:func:`rerun` then :func:`compare_rerun`: does one seed of one configuration, trained
-    again, fall within the range the committed seeds span?"""
-    chosen, record = rerun(document, variant, lr, seed, data)
-    return compare_rerun(document, chosen, record, metrics)
 
 
 def study_table(document: dict):

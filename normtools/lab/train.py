@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm  # the text bar: tqdm.auto warns at import in kernels without ipywidgets
 
 from normtools.core.precision import compute_dtype
-from normtools.lab.probes import decoder_layers, panels, recording, split_batch
+from normtools.lab.probes import decoder_layers, recording, split_batch
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
@@ -263,49 +263,6 @@ def lr_sweep(make_model: Callable[[], nn.Module], data, lrs: Sequence[float], st
                      "final_loss": records.attrs["final_loss"],
                      "logit_max": records["logit_max"].max()})
     return pd.DataFrame(rows)
-
-
-RECORD_LABELS = {
-    "loss": "training loss",
-    "grad_norm": "gradient norm (before clipping)",
-    "logit_max": "max attention logit",
-    "lr": "learning rate",
-}
-
-
-def plot_runs(runs: Mapping[str, "pandas.DataFrame"], metrics=("loss", "grad_norm", "logit_max"),
-              logy=("grad_norm", "logit_max"), ax=None):
-    """One panel per metric against the step, one line per run (``runs``: label → records of
-    :func:`train`). Metrics named in ``logy`` get a log scale. Returns the figure."""
-    metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    fig, axes = panels(len(metrics), ax)
-    for metric, axis in zip(metrics, axes):
-        for label, records in runs.items():
-            axis.plot(records["step"], records[metric], label=str(label), linewidth=1)
-        axis.set_xlabel("step")
-        axis.set_ylabel(RECORD_LABELS.get(metric, metric))
-        if metric in logy:
-            axis.set_yscale("log")
-        axis.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
-
-
-def plot_per_layer(records: "pandas.DataFrame", metric: str = "logit_max", ax=None, logy=False):
-    """One line per layer of the per-layer records ``<metric>_<i>`` against the step."""
-    fig, (axis,) = panels(1, ax)
-    table = per_layer(records, metric)
-    for layer in table.columns:
-        axis.plot(table.index, table[layer], label=f"layer {layer}", linewidth=1)
-    axis.set_xlabel("step")
-    axis.set_ylabel({"logit_max": "max attention logit", "act_rms": "RMS of the residual stream"}
-                    .get(metric, metric))
-    if logy:
-        axis.set_yscale("log")
-    axis.legend(fontsize="small")
-    fig.tight_layout()
-    return fig
-
 
 
 def plot_seed_band(ax, x, curves, label: str, color=None, style: str = "-"):
