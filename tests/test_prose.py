@@ -182,3 +182,68 @@ def test_every_normtools_name_in_the_prose_exists():
                 where = f"{name} cell {cell}" if cell is not None else name
                 stale.append(f"{where}: {dotted}")
     assert not stale, "names in the prose that normtools does not have:\n" + "\n".join(stale)
+
+
+# ---------------------------------------------------------------------------- repository paths
+
+# What the prose names under these roots is another code base's file (vLLM's, read for chapter 3)
+EXTERNAL_ROOTS = ("vllm",)
+# Written by the build, absent from a fresh clone
+BUILD_OUTPUTS = ("_build",)
+_PATH = re.compile(r"(?<![\w./:-])(?:\.\./)?[\w.-]+(?:/[\w.*-]+)*/?")
+_FILE_SUFFIX = re.compile(r"\.(?:py|md|json|csv|sh|cfg|ya?ml|toml|ipynb|txt|svg|png)$")
+
+
+def repository_paths(text: str, top_level: set) -> list[str]:
+    """The paths ``text`` names in this repository: a slash-separated name whose first part is a
+    top-level entry of the repository, or (a path into another folder) one that ends in a file
+    suffix and is not under one of ``EXTERNAL_ROOTS``. ``../`` paths are relative to ``book/``, as
+    the chapters' ``literalinclude`` directives read them. Ratios and units such as ``Hd/2`` or
+    ``TB/s``, and the host of a URL, are not paths."""
+    paths = []
+    for match in _PATH.finditer(text):
+        path = match.group(0).rstrip(".")
+        if "/" not in path.removeprefix("../"):
+            continue
+        first = path.removeprefix("../").split("/", 1)[0]
+        if first in BUILD_OUTPUTS or first in EXTERNAL_ROOTS:
+            continue
+        if first in top_level or _FILE_SUFFIX.search(path):
+            paths.append(path)
+    return paths
+
+
+def _exists(path: str) -> bool:
+    base = BOOK if path.startswith("../") else ROOT
+    return (base / path).exists()
+
+
+def test_repository_paths_are_found_and_ratios_are_not():
+    top = {"normtools", "kernels", "bench", "book"}
+    text = ("(`normtools/configs/SOURCES.md` names each file), `bench/results/`, "
+            "```{literalinclude} ../kernels/rms_norm.py```, `configs/SOURCES.md`, "
+            "q[:, :Hd/2], 1.2 TB/s, `vllm/model_executor/models/minimax_m2.py`, "
+            "<https://github.com/huggingface/transformers>, `_build/html/index.html`, `kernels/`, "
+            "key/value heads")
+    assert repository_paths(text, top) == [
+        "normtools/configs/SOURCES.md", "bench/results/", "../kernels/rms_norm.py",
+        "configs/SOURCES.md", "kernels/"]
+    assert not _exists("normtools/configs/SOURCES.md")
+    assert _exists("../kernels/rms_norm.py") and _exists("bench/")
+
+
+def test_every_repository_path_in_the_prose_exists():
+    """A file or folder of this repository named in the text (`bench/results/`,
+    `normtools/cards/configs/SOURCES.md`) must be where the text says: a layout change that moves
+    it leaves the reader looking for a path that is gone."""
+    top_level = {p.name for p in ROOT.iterdir()}
+    sources = [(name, cell, text) for name, cell, text in prose_sources()]
+    sources.append(("README.md", None, (ROOT / "README.md").read_text()))
+    missing = []
+    for name, cell, text in sources:
+        for path in repository_paths(text, top_level):
+            if not _exists(path):
+                where = f"{name} cell {cell}" if cell is not None else name
+                missing.append(f"{where}: {path}")
+    assert not missing, "paths named in the prose that the repository does not have:\n" + \
+        "\n".join(missing)
