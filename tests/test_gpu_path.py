@@ -23,7 +23,7 @@ import torch
 
 from normtools.book import sizes
 from normtools.core import precision
-from normtools.lab import experiments, related, train
+from normtools.lab import designs, grid, train
 
 
 class FakeGPU:
@@ -115,8 +115,8 @@ def test_cpu_sizes_are_never_shrunk_and_shrink_1_keeps_the_gpu_ones(chapter):
 def _tables():
     yield from ((c, sizes.CHAPTER_SIZES[c]["gpu"], sizes.SHRINK_FLOORS[c])
                 for c in sizes.CHAPTER_SIZES)
-    yield "stability", experiments.STABILITY_SIZES["gpu"], sizes.SHRINK_FLOORS["stability"]
-    yield "related", related.RELATED_SIZES["gpu"], sizes.SHRINK_FLOORS["related"]
+    yield "stability", grid.STABILITY_SIZES["gpu"], sizes.SHRINK_FLOORS["stability"]
+    yield "related", designs.RELATED_SIZES["gpu"], sizes.SHRINK_FLOORS["related"]
 
 
 @pytest.mark.parametrize("shrink", SHRINKS)
@@ -148,12 +148,12 @@ def test_shrunk_models_stay_buildable(shrink):
     flow = sizes.chapter_settings("02", "gpu", shrink)
     assert flow["width"] % flow["heads"] == 0 and (flow["width"] // flow["heads"]) % 2 == 0
     assert (flow["hf_hidden"] // 4) % 2 == 0   # the chapter's HF models: head_dim hidden / 4
-    table = {"gpu": experiments.STABILITY_SIZES["gpu"]}
+    table = {"gpu": grid.STABILITY_SIZES["gpu"]}
     stability = table[sizes.register_shrunk(table, "stability", "gpu", shrink)]
     for model in (stability["model"], {**stability["xiong"]["model"]}):
         assert model["width"] % model["heads"] == 0
         assert (model["width"] // model["heads"]) % 2 == 0
-    table = {"gpu": related.RELATED_SIZES["gpu"]}
+    table = {"gpu": designs.RELATED_SIZES["gpu"]}
     rel = table[sizes.register_shrunk(table, "related", "gpu", shrink)]
     for model in (rel["model"], rel["probe_model"]):
         assert model["width"] % model["heads"] == 0

@@ -1,4 +1,4 @@
-"""Experiment drivers (normtools.lab.experiments), on a tiny grid; checked against independent
+"""Experiment drivers (normtools.lab.grid), on a tiny grid; checked against independent
 computations (autograd gradients, the model's own logits recomputed from its weights)."""
 
 import math
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from normtools.lab import experiments as ex
+from normtools.lab import grid
 from normtools.lab.data import TextData, encode
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.train import lr_sensitivity
@@ -23,7 +23,7 @@ def data():
 
 
 def test_grid_is_the_cartesian_product_in_order():
-    cells = ex.grid(placement=["pre", "post"], lr=[1e-3, 1e-2, 1e-1])
+    cells = grid.cells(placement=["pre", "post"], lr=[1e-3, 1e-2, 1e-1])
     assert len(cells) == 6
     assert cells[0] == {"placement": "pre", "lr": 1e-3}
     assert cells[2] == {"placement": "pre", "lr": 1e-1}
@@ -32,20 +32,20 @@ def test_grid_is_the_cartesian_product_in_order():
 
 def test_grid_rejects_a_bare_value():
     with pytest.raises(TypeError, match="placement"):
-        ex.grid(placement="pre")
+        grid.cells(placement="pre")
     with pytest.raises(ValueError):
-        ex.grid()
+        grid.cells()
 
 
 def test_cell_key_ignores_order():
-    assert ex.cell_key({"a": 1, "b": 2}) == ex.cell_key({"b": 2, "a": 1})
+    assert grid.cell_key({"a": 1, "b": 2}) == grid.cell_key({"b": 2, "a": 1})
 
 
 def test_layer_grad_norms_match_autograd(data):
     torch.manual_seed(0)
     model = TinyLM(TINY)
     x, y = data.get_batch("train", 2, 8, torch.Generator().manual_seed(0))
-    with ex.layer_grad_norms(model) as rows:
+    with grid.layer_grad_norms(model) as rows:
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             logits, loss = model(x, y)
@@ -65,7 +65,7 @@ def test_attention_logits_are_the_causal_scores_of_every_layer():
     torch.manual_seed(0)
     model = TinyLM(TINY)
     ids = torch.randint(0, 256, (2, 7))
-    got = ex.attention_logits(model, ids)
+    got = grid.attention_logits(model, ids)
     # independent recomputation of layer 0 from its weights: pre placement, RMSNorm, RoPE
     attn = model.layers[0].self_attn
     h = model.embed(ids[:, :-1])
@@ -88,11 +88,11 @@ def test_attention_logits_are_the_causal_scores_of_every_layer():
 
 
 def test_run_grid_trains_each_distinct_cell_once(data):
-    cells = ex.grid(qk_norm=["none", "per_head"], lr=[1e-3, 3e-2])
+    cells = grid.cells(qk_norm=["none", "per_head"], lr=[1e-3, 3e-2])
     cells += [{"lr": 1e-3, "qk_norm": "none"}]  # a duplicate, in another key order
-    runs = ex.run_grid(cells, data, TINY, steps=4, batch_size=2, seed=0, eval_batches=1)
+    runs = grid.run_grid(cells, data, TINY, steps=4, batch_size=2, seed=0, eval_batches=1)
     assert len(runs) == 4
-    run = runs[ex.cell_key({"qk_norm": "per_head", "lr": 3e-2})]
+    run = runs[grid.cell_key({"qk_norm": "per_head", "lr": 3e-2})]
     assert run.config.qk_norm == "per_head"
     assert list(run.records["step"]) == [0, 1, 2, 3]
     assert {"grad_norm_0", "grad_norm_1", "act_rms_1", "logit_max_0"} <= set(run.records.columns)
@@ -105,29 +105,29 @@ def test_run_grid_trains_each_distinct_cell_once(data):
 
 
 def test_same_seed_same_initialization_across_cells(data):
-    a = ex.run_cell({"lr": 1e-3}, data, TINY, steps=1, batch_size=2, seed=3, eval_batches=0)
-    b = ex.run_cell({"lr": 3e-2}, data, TINY, steps=1, batch_size=2, seed=3, eval_batches=0)
+    a = grid.run_cell({"lr": 1e-3}, data, TINY, steps=1, batch_size=2, seed=3, eval_batches=0)
+    b = grid.run_cell({"lr": 3e-2}, data, TINY, steps=1, batch_size=2, seed=3, eval_batches=0)
     np.testing.assert_array_equal(a.logits_init, b.logits_init)
     assert a.records["loss"].iloc[0] == b.records["loss"].iloc[0]
 
 
 def test_run_cell_rejects_bad_cells(data):
     with pytest.raises(ValueError, match="lr"):
-        ex.run_cell({"placement": "pre"}, data, TINY, steps=1, batch_size=2)
+        grid.run_cell({"placement": "pre"}, data, TINY, steps=1, batch_size=2)
     with pytest.raises(ValueError, match="widht"):
-        ex.run_cell({"lr": 1e-3, "widht": 8}, data, TINY, steps=1, batch_size=2)
+        grid.run_cell({"lr": 1e-3, "widht": 8}, data, TINY, steps=1, batch_size=2)
 
 
 def test_summarize_and_lr_sensitivity(data):
-    cells = ex.grid(placement=["pre"], qk_norm=["none"], lr=[1e-3, 3e-2])
-    runs = ex.run_grid(cells, data, TINY, steps=25, batch_size=2, seed=0, eval_batches=1)
-    summary = ex.summarize(runs)
+    cells = grid.cells(placement=["pre"], qk_norm=["none"], lr=[1e-3, 3e-2])
+    runs = grid.run_grid(cells, data, TINY, steps=25, batch_size=2, seed=0, eval_batches=1)
+    summary = grid.summarize(runs)
     assert list(summary["lr"]) == [1e-3, 3e-2]
-    rec = runs[ex.cell_key(cells[1])].records
+    rec = runs[grid.cell_key(cells[1])].records
     assert summary["logit_max_peak"].iloc[1] == rec["logit_max"].max()
     assert summary["final_loss"].iloc[1] == rec.attrs["final_loss"]
     assert not summary["diverged"].any()
-    table = ex.lr_sensitivity_table(summary)
+    table = grid.lr_sensitivity_table(summary)
     assert len(table) == 1 and table["n_lrs"].iloc[0] == 2
     losses = dict(zip(summary["lr"], summary["final_loss"]))
     expected = np.mean([min(v, summary["initial_loss"].mean()) for v in losses.values()]) \
@@ -137,17 +137,17 @@ def test_summarize_and_lr_sensitivity(data):
 
 
 def test_sizes_grow_from_cpu_to_gpu():
-    cpu, gpu = ex.STABILITY_SIZES["cpu"], ex.STABILITY_SIZES["gpu"]
+    cpu, gpu = grid.STABILITY_SIZES["cpu"], grid.STABILITY_SIZES["gpu"]
     for key in ("width", "depth", "max_seq_len"):
         assert gpu["model"][key] > cpu["model"][key]
     assert gpu["steps"] > cpu["steps"]
-    for size in ex.STABILITY_SIZES.values():
+    for size in grid.STABILITY_SIZES.values():
         TinyLMConfig(**size["model"])  # valid configs
         assert size["normal_lr"] in size["sweep_lrs"] and size["high_lr"] in size["sweep_lrs"]
 
 
 def test_summarize_gives_nan_spike_scores_to_runs_too_short_to_score(data):
-    runs = ex.run_grid([{"lr": 1e-3}], data, TINY, steps=5, batch_size=2, seed=0, eval_batches=0)
-    row = ex.summarize(runs, spike_window=20).iloc[0]
+    runs = grid.run_grid([{"lr": 1e-3}], data, TINY, steps=5, batch_size=2, seed=0, eval_batches=0)
+    row = grid.summarize(runs, spike_window=20).iloc[0]
     assert math.isnan(row["grad_norm_spike_score"]) and math.isnan(row["loss_spike_score"])
     assert math.isnan(row["final_loss"])  # no evaluation asked for

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtools.lab import experiments as ex
+from normtools.lab import grid
 from normtools.lab import probes
 from normtools.lab.data import TextData, encode
 from normtools.lab.tinylm import CausalSelfAttention, TinyLM, TinyLMConfig
@@ -185,7 +185,7 @@ def test_over_seeds_median_and_range_against_numpy():
     table = pd.DataFrame([{"variant": v, "lr": lr, "seed": s, "loss": rng.normal(), "peak": rng.normal()}
                           for v in ("a", "b") for lr in (0.1, 1.0) for s in range(5)])
     table.loc[3, "peak"] = np.nan
-    out = ex.over_seeds(table, ["loss", "peak"])
+    out = grid.over_seeds(table, ["loss", "peak"])
     assert list(out.columns[:3]) == ["variant", "lr", "n_seeds"] and len(out) == 4
     for _, row in out.iterrows():
         part = table[(table["variant"] == row["variant"]) & (table["lr"] == row["lr"])]
@@ -195,15 +195,15 @@ def test_over_seeds_median_and_range_against_numpy():
             assert row[f"{m}_min"] == values.min() and row[f"{m}_max"] == values.max()
         assert row["n_seeds"] == 5
     with pytest.raises(ValueError, match="no columns"):
-        ex.over_seeds(table, "nope")
+        grid.over_seeds(table, "nope")
 
 
 def test_lr_sensitivity_table_is_per_seed(data):
-    cells = ex.grid(qk_norm=["none"], lr=[1e-3, 3e-2])
-    runs = ex.run_grid(cells, data, TINY, seeds=(0, 1), steps=3, batch_size=2, eval_batches=1)
-    summary = ex.summarize(runs)
+    cells = grid.cells(qk_norm=["none"], lr=[1e-3, 3e-2])
+    runs = grid.run_grid(cells, data, TINY, seeds=(0, 1), steps=3, batch_size=2, eval_batches=1)
+    summary = grid.summarize(runs)
     assert sorted(summary["seed"]) == [0, 0, 1, 1]
-    table = ex.lr_sensitivity_table(summary, by=("qk_norm",))
+    table = grid.lr_sensitivity_table(summary, by=("qk_norm",))
     assert list(table["seed"]) == [0, 1]
     for seed in (0, 1):
         part = summary[summary["seed"] == seed]

@@ -10,8 +10,8 @@ their head counts (the floors are multiples of them) and nothing reaches zero::
 
     shrunk(v) = max(floor, ⌊⌊v / k⌋ / floor⌋ · floor)        (k = gpu_shrink > 1)
 
-Settings that live in a lab module (chapter 4a's ``experiments.STABILITY_SIZES``, chapter 7's
-``related.RELATED_SIZES``) are shrunk in place by :func:`register_shrunk`, which adds the shrunk
+Settings that live in a lab module (chapter 4a's ``grid.STABILITY_SIZES``, chapter 7's
+``designs.RELATED_SIZES``) are shrunk in place by :func:`register_shrunk`, which adds the shrunk
 settings to that table under their own name (``"gpu/64"``), because the lab functions look
 their settings up by name.
 """
@@ -69,10 +69,10 @@ SHRINK_FLOORS = {
                           vocab_size=128),
                batch=1, seq_len=8),
     "06": {},
-    # normtools.lab.experiments.STABILITY_SIZES["gpu"] (chapter 4a): 8 heads divide 32
+    # normtools.lab.grid.STABILITY_SIZES["gpu"] (chapter 4a): 8 heads divide 32
     "stability": dict(model=dict(width=32, depth=2, max_seq_len=16), steps=10, batch_size=2,
                       xiong=dict(model=dict(width=32, max_seq_len=16), batch_size=2)),
-    # normtools.lab.related.RELATED_SIZES["gpu"] (chapter 7): 4 and 8 heads divide 32
+    # normtools.lab.designs.RELATED_SIZES["gpu"] (chapter 7): 4 and 8 heads divide 32
     # (steps: more than the adapted spike score's window of 50)
     "related": dict(probe_model=dict(width=32, depth=4, max_seq_len=16), probe_batch_size=2,
                     model=dict(width=32, depth=2, max_seq_len=16), steps=60, batch_size=2),

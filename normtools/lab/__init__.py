@@ -1,4 +1,5 @@
 """The stability lab: a toy Transformer with every norm placement (``tinylm``), the text it
-trains on (``data``), depth probes (``probes``), the training loop and its measures (``train``)
-and experiment grids (``experiments``). Built on the library (``normtools.core``).
+trains on (``data``), depth probes (``probes``), the training loop and its measures (``train``),
+the stability grid (``grid``), the designs of chapter 7 (``designs``) and the committed studies
+(``studies``). Built on the library (``normtools.core``).
 """

@@ -8,8 +8,8 @@ A *design* is a label and the :class:`normtools.lab.tinylm.TinyLMConfig` fields 
   batch; :func:`depth_summary` reduces each profile to two numbers, the growth of the residual
   RMS over depth (last layer / first layer) and the ratio of the gradient norms of the first
   and the last layer;
-* :func:`train_designs` — :func:`normtools.lab.experiments.run_cell` per design, learning rate
-  and seed, summarized per run by :func:`normtools.lab.experiments.summarize` (final validation
+* :func:`train_designs` — :func:`normtools.lab.grid.run_cell` per design, learning rate
+  and seed, summarized per run by :func:`normtools.lab.grid.summarize` (final validation
   loss, peak attention logit, gradient-norm spike score, diverged: the criteria of chapter 4a;
   for short runs pass chapter 4a's adapted spike window, ``studies.STUDIES["spikes"]``).
 
@@ -29,7 +29,7 @@ import torch
 
 from normtools.cards import bundled_configs, from_hf_config, load_bundled_config, tiny_config
 from normtools.cards.atlas import atlas_rows, atlas_spec, load_atlas
-from normtools.lab.experiments import run_cell, summarize
+from normtools.lab.grid import run_cell, summarize
 from normtools.lab.probes import depth_profile, split_batch
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.train import OLMO2_SPIKE_K, OLMO2_SPIKE_WINDOW
@@ -118,8 +118,8 @@ def train_designs(names, data, base_config: TinyLMConfig, lrs, seeds, *, steps: 
                   batch_size: int, spike_window: int = OLMO2_SPIKE_WINDOW,
                   spike_k: float = OLMO2_SPIKE_K, **run_kwargs) -> "pandas.DataFrame":
     """Train each design at each peak learning rate with each seed
-    (:func:`normtools.lab.experiments.run_cell`: same initialization of shared weights and same
-    batches per seed); one row per run, :func:`normtools.lab.experiments.summarize`'s columns
+    (:func:`normtools.lab.grid.run_cell`: same initialization of shared weights and same
+    batches per seed); one row per run, :func:`normtools.lab.grid.summarize`'s columns
     (spike scores with ``spike_window`` and ``spike_k``: OLMo 2's by default, NaN for runs no
     longer than the window) with ``design`` and ``seed`` in front."""
     import pandas as pd

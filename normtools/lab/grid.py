@@ -63,13 +63,13 @@ _CONFIG_FIELDS = {f.name for f in fields(TinyLMConfig)}
 TRAIN_FIELDS = ("precision", "z_loss_coef")
 
 
-def grid(**axes) -> list[dict]:
+def cells(**axes) -> list[dict]:
     """The cartesian product of the axes, as a list of cells (dicts), last axis varying fastest.
 
-    ``grid(placement=["pre", "post"], lr=[1e-3, 1e-2])`` gives four cells.
+    ``cells(placement=["pre", "post"], lr=[1e-3, 1e-2])`` gives four cells.
     """
     if not axes:
-        raise ValueError("grid needs at least one axis")
+        raise ValueError("cells needs at least one axis")
     for name, values in axes.items():
         if isinstance(values, (str, bytes)) or not hasattr(values, "__iter__"):
             raise TypeError(f"axis {name!r} must be a sequence of values, got {values!r}")

@@ -2,10 +2,10 @@
 exceed a chapter's 2-minute budget.
 
 A study is a set of TinyLM training runs (variants × learning rates × seeds) at one ``size``
-of :data:`normtools.lab.experiments.STABILITY_SIZES`. ``normtools lab run STUDY`` trains it and
+of :data:`normtools.lab.grid.STABILITY_SIZES`. ``normtools lab run STUDY`` trains it and
 writes one JSON file (default ``book/data/studies/STUDY.json``) with the conditions (model,
 steps, batch, seeds, optimizer, precision, versions, machine, threads, wall time) and one record
-per run: the cell, the summary of :func:`normtools.lab.experiments.summarize`, the last step's
+per run: the cell, the summary of :func:`normtools.lab.grid.summarize`, the last step's
 per-layer values and the per-step curves of :data:`CURVES`. The chapter renders that file with
 :func:`load_study`; :func:`rerun` trains one seed of one configuration again and
 :func:`compare_rerun` says whether each of its numbers falls within the range the committed seeds
@@ -27,9 +27,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from normtools.lab import experiments
+from normtools.lab import grid
 from normtools.lab.data import CORPUS_SHA256, load_corpus
-from normtools.lab.related import DESIGNS, TRAINED_DESIGNS
+from normtools.lab.designs import DESIGNS, TRAINED_DESIGNS
 from normtools.lab.tinylm import TinyLMConfig
 
 #: Per-step records kept in the JSON (rounded to 4 significant digits).
@@ -60,7 +60,7 @@ class Study:
 
     def settings(self, size: str) -> dict:
         """The size's settings with this study's steps and learning rates."""
-        settings = dict(experiments.STABILITY_SIZES[size])
+        settings = dict(grid.STABILITY_SIZES[size])
         settings["steps"] = self.steps or settings["steps"]
         settings["lrs"] = tuple(self.lrs or settings["sweep_lrs"])
         return settings
@@ -111,7 +111,7 @@ STUDIES = {
         check={"variant": "bf16, QK-Norm", "lr": 1e-1, "seed": 0}),
     "related": Study(
         "related",
-        "Chapter 7: every trained design of normtools.lab.related (DeepNorm, Admin, Mix-LN, "
+        "Chapter 7: every trained design of normtools.lab.designs (DeepNorm, Admin, Mix-LN, "
         "LayerNorm Scaling, nGPT, DyT against Pre-LN and Post-LN) at a normal and a high learning "
         "rate, five times longer than the chapter's live runs; spike score adapted as in 4a.",
         {name: DESIGNS[name] for name in TRAINED_DESIGNS},
@@ -135,10 +135,10 @@ def run_records(study: Study, cells: list[dict], data, size: str, device="cpu") 
     for cell in cells:
         label = cell["variant"]
         run_cell = {k: v for k, v in cell.items() if k != "variant"}
-        run = experiments.run_cell(run_cell, data, base_config, steps=settings["steps"],
+        run = grid.run_cell(run_cell, data, base_config, steps=settings["steps"],
                                    batch_size=settings["batch_size"], device=device,
                                    probe_batch_size=settings["probe_batch_size"], eval_batches=4)
-        row = experiments.summarize([run], study.spike_window, study.spike_k).iloc[0].to_dict()
+        row = grid.summarize([run], study.spike_window, study.spike_k).iloc[0].to_dict()
         last = run.records.iloc[-1]
         depth = run.config.depth
         records.append({
@@ -261,7 +261,7 @@ def add_cli(subparsers):
     commands = parser.add_subparsers(dest="lab_command", required=True)
     run = commands.add_parser("run", help="train a study and write its JSON")
     run.add_argument("study", choices=sorted(STUDIES))
-    run.add_argument("--size", default="cpu", choices=sorted(experiments.STABILITY_SIZES))
+    run.add_argument("--size", default="cpu", choices=sorted(grid.STABILITY_SIZES))
     run.add_argument("--seeds", type=int, default=None, help="number of seeds (0, 1, ...)")
     run.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
     run.add_argument("--device", default="cpu")
@@ -291,10 +291,10 @@ def _list_cli(args) -> int:
 
 
 def median_range(table, metrics, by, fmt: str = "{:.3g}") -> "pandas.DataFrame":
-    """:func:`normtools.lab.experiments.over_seeds` of ``table`` as text: per group of ``by``
+    """:func:`normtools.lab.grid.over_seeds` of ``table`` as text: per group of ``by``
     (the index), ``n_seeds`` and one column per metric, "median [min, max]" with ``fmt``."""
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    stats = experiments.over_seeds(table, metrics, by=list(by))
+    stats = grid.over_seeds(table, metrics, by=list(by))
     out = stats[list(by) + ["n_seeds"]].copy()
     for m in metrics:
         out[m] = [f"{fmt.format(a)} [{fmt.format(b)}, {fmt.format(c)}]"
