@@ -67,20 +67,23 @@ def test_roles_resolve_to_the_book_facts():
     book = colab.Book(root=ROOT, html_url="https://o.github.io/r/", repository_url="https://github.com/o/r",
                       titles={"book/02_flow": "2. Flow"}, labels={"ch2-step3": ("book/02_flow", "Step 3")},
                       citations={"ba": ("Ba et al.", "2016", "https://arxiv.org/abs/1607.06450"),
-                                 "zs": ("Zhang and Sennrich", "2019", None)})
+                                 "zs": ("Zhang and Sennrich", "2019", None)},
+                      terms={"rmsnorm": "RMSNorm", "pre-ln": "Pre-LN"})
     text = ("{glue:text}`n` of {cite:p}`ba,zs`; {cite:t}`ba` in {doc}`02_flow`, "
-            "{ref}`the step <ch2-step3>`, {term}`RMSNorm`, {term}`pre-norm <Pre-LN>`")
+            "{ref}`the step <ch2-step3>`, {term}`rmsnorm`, {term}`pre-norm <Pre-LN>`")
     assert colab.resolve_roles(text, doc="book/01_definition", glue={"n": "42"}, book=book) == (
         "42 of ([Ba et al. 2016](https://arxiv.org/abs/1607.06450); Zhang and Sennrich 2019); "
         "[Ba et al. (2016)](https://arxiv.org/abs/1607.06450) in [2. Flow](https://o.github.io/r/book/02_flow.html), "
         "[the step](https://o.github.io/r/book/02_flow.html#ch2-step3), "
-        "[RMSNorm](https://o.github.io/r/book/06_glossary.html#term-rmsnorm), "
-        "[pre-norm](https://o.github.io/r/book/06_glossary.html#term-pre-ln)")
+        "[rmsnorm](https://o.github.io/r/book/06_glossary.html#term-RMSNorm), "       # Sphinx's ids keep the
+        "[pre-norm](https://o.github.io/r/book/06_glossary.html#term-Pre-LN)")        # glossary's case
     assert colab.resolve_roles("{glue:text}`x:.2f`", doc="book/x", glue={"x": "3.14159"}, book=book) == "3.14"
     with pytest.raises(KeyError, match="no glued value"):
         colab.resolve_roles("{glue:text}`missing`", doc="book/x", glue={}, book=book)
     with pytest.raises(KeyError, match="unknown label"):
         colab.resolve_roles("{ref}`nowhere`", doc="book/x", glue={}, book=book)
+    with pytest.raises(KeyError, match="no glossary term"):
+        colab.resolve_roles("{term}`nothing`", doc="book/x", glue={}, book=book)
 
 
 def test_html_book_is_the_repository_github_pages():

@@ -13,7 +13,8 @@ Jupyter and Colab render plain Markdown, so the edition resolves what only Sphin
   ``{admonition}`` → a blockquote, or ``<details>`` for ``:class: dropdown``; ``{glossary}`` → a list;
 * a ``mermaid`` diagram → its SVG from ``book/_diagrams`` as a cell attachment (an image);
 * the first code cell (the chapter's Colab setup) → :data:`SETUP_CELL`, which clones the
-  repository and installs normtools from it on Colab and does nothing elsewhere.
+  repository and installs normtools from it on Colab (at the lock's versions, Colab's torch and
+  triton kept) and everywhere prints the versions the chapter runs with.
 
 Code cells and their outputs are kept as executed; those the HTML book hides (setup, glue
 bookkeeping, exercise solutions) are folded in Colab behind a ``#@title``.
@@ -36,17 +37,42 @@ from normtools.book.diagrams import book_diagram_sources, render_svgs, standalon
 
 ROOT = Path(__file__).resolve().parents[2]
 
-#: The edition's first cell. ``NORMBOOK_CLONE`` moves the clone (the setup test uses it).
-SETUP_CELL = '''# Colab setup: clone the repository and install normtools from it; elsewhere this does nothing.
-import os, subprocess, sys
+#: The edition's first cell. On Colab it clones the repository and installs normtools with the
+#: ``hf`` and ``book`` extras at the lock's versions (``constraints.txt``), except for torch, triton
+#: and what they require: Colab's own builds stay, pinned as installed, so pip can never replace
+#: them. Everywhere it prints the versions the chapter runs with. ``NORMBOOK_CLONE`` moves the
+#: clone (the tests use it).
+SETUP_CELL = '''# Colab setup: clone the repository, install normtools from it at the book's versions, print them.
+import os, re, subprocess, sys
+from importlib import metadata
 
 REPOSITORY_URL = "{repository}"
 CLONE = os.environ.get("NORMBOOK_CLONE", "/content/normbook")
+
+
+def project(requirement):
+    """The normalized project name a requirement or a lock line starts with."""
+    return re.sub(r"[-_.]+", "-", re.match(r"\\s*([\\w.-]+)", requirement).group(1)).lower()
+
+
 if "google.colab" in sys.modules:
     if not os.path.isdir(CLONE):
         subprocess.run(["git", "clone", "--depth", "1", REPOSITORY_URL, CLONE], check=True)
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", CLONE + "[hf,book]"], check=True)
-    os.chdir(os.path.join(CLONE, "book"))'''
+        # the lock's versions, but Colab's torch and triton (and what they require) stay as installed
+        installed = {{project(d.metadata["Name"]): d for d in metadata.distributions()}}
+        kept = {{name: installed[name] for name in ("torch", "triton") if name in installed}}
+        theirs = {{project(r) for d in kept.values() for r in d.requires or [] if "extra ==" not in r}}
+        with open(os.path.join(CLONE, "constraints.txt")) as lock:
+            pins = [line for line in lock if line[0].isalnum() and project(line) not in kept.keys() | theirs]
+        pins += [f"{{name}}=={{d.version}}\\n" for name, d in kept.items()]
+        constraints = os.path.join(CLONE, "colab-constraints.txt")
+        with open(constraints, "w") as out:
+            out.writelines(pins)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-c", constraints, CLONE + "[hf,book]"],
+                       check=True)
+    os.chdir(os.path.join(CLONE, "book"))
+print(f"Python {{sys.version.split()[0]}}",
+      *(f"{{name}} {{metadata.version(name)}}" for name in ("normtools", "torch", "triton", "transformers")), sep=", ")'''
 
 ROLE = re.compile(r"\{([a-z][\w:-]*)\}`([^`]*)`")
 _EXPLICIT = re.compile(r"^(.*?)\s*<([^<>]+)>$", re.S)
@@ -73,6 +99,7 @@ class Book:
     labels: dict = field(default_factory=dict)      # label -> (doc name, heading)
     citations: dict = field(default_factory=dict)   # key -> (authors, year, url)
     diagrams: dict = field(default_factory=dict)    # mermaid source -> SVG
+    terms: dict = field(default_factory=dict)       # glossary term, lower case -> as the glossary writes it
 
 
 def _markdown_texts(path: Path) -> list[str]:
@@ -124,6 +151,9 @@ def read_book(root: Path = ROOT) -> Book:
         book.titles[doc] = title.group(1) if title else path.stem
         for match in re.finditer(r"^\(([\w-]+)\)=\s*\n+#+\s+(.+?)\s*$", text, re.M):
             book.labels[match.group(1)] = (doc, match.group(2))
+        for match in re.finditer(r"^```\{glossary\}[^\n]*\n(.*?)^```\s*$", text, re.M | re.S):
+            for term, _ in _glossary_entries(_options(match.group(1).split("\n"))[1]):
+                book.terms[term.lower()] = term
     book.citations = _read_citations(root / "book" / "references.bib")
     mermaid_js = root / "book" / "_static" / "vendor" / "mermaid" / "mermaid.min.js"
     book.diagrams = render_svgs(book_diagram_sources(root / "book"), root / "book" / "_diagrams", mermaid_js)
@@ -180,7 +210,10 @@ def _citation(keys: str, kind: str, book: Book) -> str:
 
 
 def _term_anchor(term: str) -> str:
-    return "term-" + re.sub(r"[^\w]+", "-", term.lower()).strip("-")
+    """The id Sphinx gives a glossary term in the HTML book (case kept: ``term-QK-Norm``)."""
+    from sphinx.util.nodes import _make_id
+
+    return _make_id("term-" + term)
 
 
 def resolve_roles(text: str, *, doc: str, glue: dict, book: Book) -> str:
@@ -205,8 +238,11 @@ def resolve_roles(text: str, *, doc: str, glue: dict, book: Book) -> str:
                 raise KeyError(f"{doc}: unknown label {target!r}")
             name, heading = book.labels[target]
             return f"[{text or heading}]({book.html_url}{name}.html#{target})"
-        if role == "term":
-            return f"[{text or target}]({book.html_url}book/06_glossary.html#{_term_anchor(target)})"
+        if role == "term":                          # Sphinx finds a term in any case; its id keeps the glossary's
+            if target.lower() not in book.terms:
+                raise KeyError(f"{doc}: no glossary term {target!r}")
+            anchor = _term_anchor(book.terms[target.lower()])
+            return f"[{text or target}]({book.html_url}book/06_glossary.html#{anchor})"
         return match.group(0)
 
     return ROLE.sub(replace, text)
@@ -252,7 +288,8 @@ def _literal_include(argument: str, options: dict, base: Path) -> str:
     return f"{fence}{options.get('language', '')}\n" + "\n".join(lines) + f"\n{fence}"
 
 
-def _glossary(options: dict, body: list[str], resolve) -> str:
+def _glossary_entries(body: list[str]) -> list[list]:
+    """[term, definition lines] of each entry of a glossary directive's body (options removed)."""
     entries, current = [], None
     for line in body:
         if line.strip() and not line.startswith((" ", "\t")):
@@ -260,6 +297,11 @@ def _glossary(options: dict, body: list[str], resolve) -> str:
             entries.append(current)
         elif current is not None:
             current[1].append(line.strip())
+    return entries
+
+
+def _glossary(options: dict, body: list[str], resolve) -> str:
+    entries = _glossary_entries(body)
     if "sorted" in options:
         entries.sort(key=lambda e: e[0].lower())
     items = [f'- <a id="{_term_anchor(term)}"></a>**{term}**: ' + resolve(" ".join(l for l in text if l))
