@@ -32,7 +32,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: all setup lock book execute html diagrams colab atlas test unit nbval nbval-perturbed notebooks clean
+.PHONY: all setup lock book execute html diagrams colab colab-reader atlas test unit nbval nbval-perturbed notebooks clean
 
 all: test book
 
@@ -99,6 +99,11 @@ notebooks: $(STAMP)
 # diagrams as images); tests/test_colab.py checks that it is in sync.
 colab: $(STAMP)
 	$(VPY) -m normtools.book.colab
+
+# A new Colab reader (CI's last step, ~6-8 min on 2 cores): a fresh venv with only what Colab has
+# (torch, a kernel) and what the edition's setup cell installs, every colab/book chapter run in it.
+colab-reader: $(STAMP)
+	NORMBOOK_COLAB_READER=1 $(VPY) -m pytest tests/test_colab_reader.py -p no:cacheprovider -v -s $(PYTEST_ARGS)
 
 # The atlas: every causal-LM family of the installed transformers probed from its running code
 # (a few minutes on 2 cores); review the diff (`normtools atlas --compare`) and commit.
