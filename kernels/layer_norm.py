@@ -25,7 +25,7 @@ backward grid stores its float32 partial rows of dw and db once, in PARTIAL[pid]
 kernels/partials.py sums them. No atomics.
 
 Traffic (A = one M × N activation): single pass forward 2A, backward 3A; chunked forward 3A,
-backward 5A (normtools.measure.kernel_traffic counts them).
+backward 5A (normtools.measure.bytes_counter counts them).
 
 All arithmetic is float32: values are upcast right after tl.load and downcast before tl.store.
 """

@@ -37,7 +37,7 @@ run column chunk by column chunk over all rows of the program.
 
 Traffic (A = one M × N activation): single pass: forward 2A (add: 4A), backward 3A (+A with a
 residual gradient). Chunked: forward 3A (add: 5A), backward 5A. The bytes are counted by
-normtools.measure.kernel_traffic. Loads read once are marked evict_first; what a later pass
+normtools.measure.bytes_counter. Loads read once are marked evict_first; what a later pass
 or every program re-reads (the weight, the first pass over a chunked row) evict_last.
 
 Determinism. dw is reduced in two steps with no atomics: each program of the persistent

@@ -511,7 +511,7 @@ def test_liger_is_called_as_its_benchmark_does(monkeypatch):
             backends.backend_fn(op, "liger", "cuda", QK_SHAPE)
 
 
-@pytest.mark.parametrize("op", bench.plan.QK_ROPE_OPS)
+@pytest.mark.parametrize("op", bench.shapes.QK_ROPE_OPS)
 def test_qk_norm_rope_backends_compute_transformers_rope_after_the_norm(op):
     """torch-F's composition (F.rms_norm, then the rotation) and normtools against an
     independent float64 QK-Norm + apply_rotary_pos_emb, forward and gradients."""
@@ -523,7 +523,7 @@ def test_qk_norm_rope_backends_compute_transformers_rope_after_the_norm(op):
     def expected(t64):
         def norm(x, w):
             rows = x.view(x.shape[0], -1, d) if per_head else x
-            rms = rows.pow(2).mean(-1, keepdim=True).add(bench.plan.RMS_EPS).rsqrt()
+            rms = rows.pow(2).mean(-1, keepdim=True).add(bench.shapes.RMS_EPS).rsqrt()
             return (rows * rms).view(x.shape) * (w.repeat(x.shape[1] // d) if per_head else w)
         q, k = norm(t64["q"], t64["q_w"]), norm(t64["k"], t64["k_w"])
         heads = lambda x: x.view(x.shape[0], -1, d).transpose(0, 1)[None]   # (1, H, T, D)
@@ -685,7 +685,7 @@ def test_chunked_plan_backend_reads_long_rows_twice():
     dy and (for g = w ⊙ dy in both passes) w again in the backward, once per program; the
     gradients agree."""
     from normtools.core import _launch
-    from normtools.measure import kernel_traffic
+    from normtools.measure import bytes_counter
     from normtools.measure.bench import backends
 
     shape = {"M": 4, "N": 32768}
@@ -697,9 +697,9 @@ def test_chunked_plan_backend_reads_long_rows_twice():
         y = normtools.rms_norm(inputs["x"], inputs["w"], 1e-6, backend="triton")
         return torch.autograd.grad(y, (inputs["x"], inputs["w"]), inputs["dy"])
 
-    with _launch.planning_for_cuda(), kernel_traffic.counting_bytes() as on_clusters:
+    with _launch.planning_for_cuda(), bytes_counter.counting_bytes() as on_clusters:
         expected = fwd_bwd(t)
-    with kernel_traffic.counting_bytes() as chunked:
+    with bytes_counter.counting_bytes() as chunked:
         got = backends.on_chunked_plan(fwd_bwd, 132)(t)
     row = shape["M"] * shape["N"] * 4
     programs = _launch.launch_plan("rms_norm_bwd", torch.float32, 4, 32768, capability=80).programs

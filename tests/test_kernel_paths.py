@@ -22,7 +22,7 @@ import triton.runtime.interpreter as triton_interpreter
 import normtools
 from normtools._kernels import qk_norm as _qk
 from normtools.core import _launch
-from normtools.measure import kernel_traffic as kt
+from normtools.measure import bytes_counter as kt
 
 
 @pytest.fixture

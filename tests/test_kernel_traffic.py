@@ -1,4 +1,4 @@
-"""normtools.measure.kernel_traffic: the bytes counter, against byte counts made by hand.
+"""normtools.measure.bytes_counter: the bytes counter, against byte counts made by hand.
 
 Toy kernels whose traffic is known exactly (masked copies, a re-read, a 2-D tile), one real op
 counted by hand from its launch plan, and the ratios of the single-pass paths at the CUDA
@@ -16,7 +16,7 @@ import triton.language as tl
 
 import normtools
 from normtools.core import _launch
-from normtools.measure import kernel_traffic as kt
+from normtools.measure import bytes_counter as kt
 
 
 @triton.jit
@@ -256,7 +256,7 @@ COMMITTED = Path(__file__).resolve().parents[1] / "book" / "data" / "kernels" / 
 
 
 def test_committed_table_covers_every_case():
-    """The table chapter 4b shows (python -m normtools.measure.kernel_traffic --csv ...) has
+    """The table chapter 4b shows (python -m normtools.measure.bytes_counter --csv ...) has
     every op of the counter, every row length for the row ops."""
     table = pd.read_csv(COMMITTED)
     expected = {(op, n) for op in kt.OPS if not op.startswith("qk_norm")
@@ -267,7 +267,7 @@ def test_committed_table_covers_every_case():
 
 
 def test_committed_a100_table_covers_the_long_rows():
-    """The A100 table chapter 4b shows (python -m normtools.measure.kernel_traffic --gpu a100
+    """The A100 table chapter 4b shows (python -m normtools.measure.bytes_counter --gpu a100
     ...): the row ops at N = 16K ... 128K, and the chunked ones read their rows twice."""
     table = pd.read_csv(COMMITTED.with_name("kernel_traffic_a100.csv"))
     row_ops = [op for op in kt.OPS if not op.startswith("qk_norm")]

@@ -7,7 +7,7 @@ import torch
 
 import normtools
 from normtools.core import _launch
-from normtools.measure import kernel_traffic as kt
+from normtools.measure import bytes_counter as kt
 from normtools.measure.l2_model import Access, dram_bytes
 
 L = 128

@@ -7,7 +7,7 @@ split by direction and eviction hint, and the distinct addresses are kept too. I
 sizes, chunking, warps and persistent grid of the CUDA launch plan, not the CPU's tiles.
 
 ``kernel_traffic()`` runs every op (forward, forward+backward) that way and reports the bytes
-touched against the minimum of ``normtools.measure.bench.traffic.bytes_moved``:
+touched against the minimum of ``normtools.measure.op_costs.bytes_moved``:
 
     touched = Σ over launches, loads and stores, of the bytes of masked-in lanes
     unique  = Σ over launches of the distinct bytes addressed (an ideal cache's traffic)
@@ -28,7 +28,7 @@ simulated SMs / SMs of the GPU). What this leaves out: the real grid's idle prog
 (rows_per_program does not always divide M); in ``touched`` the caches (a re-read that hits L2
 is counted like one that goes to DRAM; ``unique`` is the other bound, and ``dram`` a model in
 between). ``python -m
-normtools.measure.kernel_traffic`` prints the full table.
+normtools.measure.bytes_counter`` prints the full table.
 """
 
 import argparse
@@ -43,9 +43,9 @@ import triton.runtime.interpreter as triton_interpreter
 
 from normtools.core import _launch
 from normtools.core.rope import _launch_shape as rope_launch_shape
-from normtools.measure.bench.plan import rows_and_length
-from normtools.measure.bench.traffic import bytes_moved
-from normtools.measure.kernel_ops import QK_HEADS, op_inputs, run_on_triton
+from normtools.measure.bench.shapes import rows_and_length
+from normtools.measure.op_costs import bytes_moved
+from normtools.measure.triton_runs import QK_HEADS, op_inputs, run_on_triton
 from normtools.measure.l2_model import H200_L2_BYTES, LINE_BYTES, Access, dram_bytes
 
 # The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes, and

@@ -1,7 +1,7 @@
 """A simple L2 cache model: the DRAM bytes of a trace of loads and stores, with and without
 the kernels' eviction hints.
 
-The bytes counter (``normtools.measure.kernel_traffic``) records every load and store of an
+The bytes counter (``normtools.measure.bytes_counter``) records every load and store of an
 interpreted launch: which program issued it, its hint and the addresses of its masked-in lanes.
 ``dram_bytes`` replays that trace through one L2 and counts what reaches DRAM:
 

@@ -2,7 +2,7 @@
 
 import torch
 
-from normtools.measure.bench.plan import OPS, QK_OPS, QK_ROPE_OPS
+from normtools.measure.bench.shapes import OPS, QK_OPS, QK_ROPE_OPS
 
 
 def bytes_moved(op, shape, dtype):

@@ -38,7 +38,7 @@ from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
 from normtools.core import _launch
-from normtools.measure.kernel_ops import op_inputs, op_shape, run_on_triton
+from normtools.measure.triton_runs import op_inputs, op_shape, run_on_triton
 
 ARCHS = (90, 80, 75)
 ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
@@ -61,7 +61,7 @@ def ptxas_path():
 
 def record_launches(op, dtype, n, m=64, capability=_launch.DEFAULT_CAPABILITY):
     """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
-    (``kernel_ops.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
+    (``triton_runs.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
     heads of n / 32) with the CUDA launch plan of a GPU of compute capability ``capability``
     (clusters from 90 on): a list of ``_launch.RecordedLaunch``."""
     inputs = op_inputs(op, op_shape(op, n, m), dtype)

@@ -1,6 +1,6 @@
 """The ops that the bytes counter and the spill report launch, run on the Triton backend.
 
-``normtools.measure.kernel_traffic`` (bytes touched, run under the interpreter) and
+``normtools.measure.bytes_counter`` (bytes touched, run under the interpreter) and
 ``normtools.measure.spills`` (registers and spills, launches recorded and compiled) both need
 "run this op on ``backend="triton"``, forward or forward+backward, so that its kernels are
 launched": that is ``run_on_triton``. An op is a base op of ``normtools.measure.bench`` —
@@ -15,7 +15,7 @@ import torch
 from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
 from normtools.core.qk import qk_norm
 from normtools.core.rope import qk_norm_rope
-from normtools.measure.bench.plan import make_inputs
+from normtools.measure.bench.shapes import make_inputs
 
 OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "add_rms_norm_fwd_bwd", "layer_norm",
        "layer_norm_fwd_bwd", "qk_norm_per_head", "qk_norm_per_head_fwd_bwd",

@@ -58,13 +58,13 @@ processes timing each case at once, ``--processes K``), ``results`` (JSON in and
 from normtools.measure.bench.backends import Unavailable, backend_fn, default_backends
 from normtools.measure.bench.cases import Case, estimate_seconds, gpu_run_cases, real_shape_cases
 from normtools.measure.bench.cli import add_cli, main
-from normtools.measure.bench.plan import BACKENDS, OPS, QK_OPS, ROW_OPS, default_shapes, make_inputs, shape_label
+from normtools.measure.bench.shapes import BACKENDS, OPS, QK_OPS, ROW_OPS, default_shapes, make_inputs, shape_label
 from normtools.measure.bench.report import BANDWIDTH_TARGETS, SPEEDUP_BASELINES, markdown_summary, targets_report
 from normtools.measure.bench.results import load_results
 from normtools.measure.bench.sweep import bench_case, run_sweep
 from normtools.measure.bench.timing import (TIMERS, copy_bandwidth, input_sets, n_buffer_sets, rotating_calls,
                                             summarize, time_calls)
-from normtools.measure.bench.traffic import bytes_moved
+from normtools.measure.op_costs import bytes_moved
 
 __all__ = ["Case", "gpu_run_cases", "real_shape_cases", "estimate_seconds", "OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP_BASELINES",
            "Unavailable", "default_shapes", "shape_label", "make_inputs", "bytes_moved",

@@ -6,7 +6,7 @@ from importlib import import_module, util
 import torch
 
 from normtools.core import _launch
-from normtools.measure.bench.plan import (BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS,
+from normtools.measure.bench.shapes import (BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS,
                                           rows_and_length)
 
 # ---------------------------------------------------------------------------------- backends

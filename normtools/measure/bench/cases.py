@@ -16,7 +16,7 @@ again, as a decode step finds its small activations in cache).
   size; QK-Norm as per head (head_dim) or per layer (heads · head_dim) with the model's heads,
   alone and fused with RoPE (``qk_norm_rope_*``, forward + backward in prefill too; the
   rotation over the whole head).
-* ``synthetic_cases``: every op at N = 1K … 128K and the QK layouts of ``plan.default_shapes``.
+* ``synthetic_cases``: every op at N = 1K … 128K and the QK layouts of ``shapes.default_shapes``.
 
 Synthetic cases (first pass and sweep) move at least ``MIN_CASE_BYTES`` = 256 MiB
 (``bytes_moved``): the rows M (tokens T) scale with N, so that a call lasts long enough that its
@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from normtools.measure.bench.backends import offered
-from normtools.measure.bench.plan import OPS, QK_OPS, ROW_OPS
-from normtools.measure.bench.traffic import bytes_moved
+from normtools.measure.bench.shapes import OPS, QK_OPS, ROW_OPS
+from normtools.measure.op_costs import bytes_moved
 
 MIN_CASE_BYTES = 2**28
 TARGET_OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head")

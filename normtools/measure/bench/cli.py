@@ -9,7 +9,7 @@ import torch
 
 from normtools.core.precision import compute_dtype
 from normtools.measure.bench.cases import gpu_run_cases, plan_rows
-from normtools.measure.bench.plan import _DTYPES, BACKENDS, OPS
+from normtools.measure.bench.shapes import _DTYPES, BACKENDS, OPS
 from normtools.measure.bench.backends import default_backends
 from normtools.measure.bench.report import markdown_summary
 from normtools.measure.bench.results import _read_json
@@ -69,7 +69,7 @@ def _dry_run(args, device, dtype):
         if args.cases == "gpu-run" else None
     if cases is None:
         from normtools.measure.bench.cases import Case
-        from normtools.measure.bench.plan import default_shapes
+        from normtools.measure.bench.shapes import default_shapes
         shapes = default_shapes(device, args.quick)
         cases = [Case("sweep", op, shape) for op in args.ops for shape in shapes[op]]
     backends = args.backends or [b for b, why in default_backends(device).items() if why is None]

@@ -35,7 +35,7 @@ def _peer_loop(rank, tasks, results, barrier, cache_bytes, threads):
     """A peer: time each task of ``tasks`` at the barrier, put (rank, times, window, error)."""
     torch.set_num_threads(threads)   # as many intra-op threads as the sweep's process
     from normtools.measure.bench.backends import backend_fn
-    from normtools.measure.bench.plan import make_inputs
+    from normtools.measure.bench.shapes import make_inputs
     from normtools.measure.bench.timing import input_sets, rotating_calls, time_calls
 
     while (task := tasks.get()) is not None:

@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from normtools.measure.bench.plan import BACKENDS, shape_label
+from normtools.measure.bench.shapes import BACKENDS, shape_label
 from normtools.measure.bench.results import _read_json
 
 # (op, minimum N or None, minimum % of copy bandwidth) for normtools-triton: the targets.

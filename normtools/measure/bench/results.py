@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from normtools.measure.bench.plan import shape_label
+from normtools.measure.bench.shapes import shape_label
 
 
 def _write_json(data, path):

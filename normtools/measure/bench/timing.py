@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from normtools.measure import sysinfo
-from normtools.measure.bench.plan import make_inputs
+from normtools.measure.bench.shapes import make_inputs
 
 _MIN_SAMPLE_US = 20.0        # CUDA: a sample groups calls until it lasts about this long
 _ROTATION_BUDGET = {"cuda": 8 * 2**30, "cpu": 512 * 2**20}   # bytes of rotated input sets
