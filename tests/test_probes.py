@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from normtools.book.analysis import tiny_hf_model
-from normtools.lab.tinylm import TinyLM, TinyLMConfig, apply_rope
+from normtools.core.reference import rope_reference
+from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.probes import PROFILE_COLUMNS, depth_profile, plot_depth_profile, profile_placements
 
 matplotlib.use("Agg")
@@ -30,7 +31,7 @@ def direct_logits(attn, h, cfg):
     q = (h @ attn.q_proj.weight.double().T).view(B, T, cfg.heads, d).transpose(1, 2)
     k = (h @ attn.k_proj.weight.double().T).view(B, T, cfg.n_kv_heads, d).transpose(1, 2)
     cos, sin = attn.rope_cos[:T].double(), attn.rope_sin[:T].double()
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     k = k[:, [i * cfg.n_kv_heads // cfg.heads for i in range(cfg.heads)]]
     return torch.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
 

@@ -1,4 +1,4 @@
-"""Reference math of RMSNorm and LayerNorm in plain PyTorch: the few lines that compute them.
+"""Reference math of RMSNorm, LayerNorm and RoPE in plain PyTorch: the few lines that compute them.
 
 These functions are the single source of truth for the numerics of normtools. They are written
 with the same PyTorch operations, in the same order, as the Hugging Face transformers modules,
@@ -31,6 +31,7 @@ __all__ = [
     "layer_norm_backward_reference",
     "rotate_half",
     "rope_reference",
+    "rope_tables",
     "rope_backward_reference",
 ]
 
@@ -174,6 +175,21 @@ def rope_reference(x, cos, sin):
     ``cos`` and ``sin`` broadcast against x (e.g. (T, 1, D) for x of shape (T, H, D)).
     """
     return (x * cos) + (rotate_half(x) * sin)
+
+
+def rope_tables(n_tokens, head_dim, theta, dtype=torch.float32, device=None):
+    """(cos, sin), each (n_tokens, head_dim): the rotary tables of positions 0 … n_tokens − 1 as
+    transformers' default RoPE builds them,
+
+        angle[t, j] = t · theta^(−2 (j mod D/2) / D)      (D = head_dim)
+
+    (the D/2 frequencies repeated over the two halves, so that the pair (j, j + D/2) turns by one
+    angle), computed in float32 on ``device``, then cast to ``dtype``."""
+    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
+                          / head_dim)
+    angles = torch.arange(n_tokens, device=device, dtype=torch.float32)[:, None] * inv_freq
+    angles = torch.cat((angles, angles), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def rope_backward_reference(dout, cos, sin):

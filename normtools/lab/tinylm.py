@@ -86,6 +86,7 @@ import torch.nn.functional as F
 from normtools.core.modules import LayerNorm, RMSNorm
 from normtools.core.ops import rms_norm
 from normtools.core.qk import QKNorm
+from normtools.core.reference import rope_reference, rope_tables
 from normtools.core import _validate
 
 PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
@@ -397,22 +398,6 @@ def causal_mask(T: int, device=None) -> torch.Tensor:
     return torch.ones(T, T, dtype=torch.bool, device=device).tril()
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the rotary angles, shape (seq_len, head_dim): position t, pair i
-    (columns i and i + head_dim/2) turns by t · theta^(−2i/head_dim)."""
-    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate each pair (x_i, x_{i+d/2}) of the last dim by its angle: x·cos + rotate_half(x)·sin."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
-
-
 class CausalSelfAttention(nn.Module):
     """softmax(mask(q kᵀ / √d)) v with RoPE, grouped-query heads and optional QK-Norm.
 
@@ -451,7 +436,7 @@ class CausalSelfAttention(nn.Module):
         k = k.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, self.kv_heads, self.head_dim).transpose(1, 2)
         cos, sin = self.rope_cos[:T], self.rope_sin[:T]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
         group = self.heads // self.kv_heads                            # query heads per kv head
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         if self.ngpt:

@@ -2,6 +2,8 @@
 
 import torch
 
+from normtools.core.reference import rope_tables
+
 ROW_OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm")
 # Fused QK-Norm + RoPE, forward and forward+backward (normtools.qk_norm_rope).
 QK_ROPE_OPS = ("qk_norm_rope_per_head", "qk_norm_rope_per_layer",
@@ -62,7 +64,7 @@ def make_inputs(op, shape, dtype, device, seed=0):
     dy (M, N) for rms_norm_fwd_bwd (x and w then require grad). QK ops: q (T, Hq·D), k (T, Hk·D)
     and weights q_w, k_w of shape (D,) per head or (Hq·D,), (Hk·D,) per layer. Weights are
     1 + small noise in the activation dtype; nothing is zero. qk_norm_rope_*: also cos, sin
-    (T, D), the rotary tables of positions 0 … T−1 (``rope_tables``), and for *_fwd_bwd the
+    (T, D), the rotary tables of positions 0 … T−1 (``reference.rope_tables``), and for *_fwd_bwd the
     output gradients dq_out (T, Hq·D), dk_out (T, Hk·D) (q, k, q_w, k_w then require grad).
     """
     if op not in OPS + QK_OPS:
@@ -80,7 +82,7 @@ def make_inputs(op, shape, dtype, device, seed=0):
                   "q_w": randn(d if per_head else hq * d, scale=0.1, base=1.0),
                   "k_w": randn(d if per_head else hk * d, scale=0.1, base=1.0)}
         if op in QK_ROPE_OPS:
-            inputs["cos"], inputs["sin"] = rope_tables(t, d, dtype, device)
+            inputs["cos"], inputs["sin"] = rope_tables(t, d, ROPE_THETA, dtype, device)
         if op.endswith("_fwd_bwd"):
             for name in ("q", "k", "q_w", "k_w"):
                 inputs[name].requires_grad_(True)
@@ -97,14 +99,3 @@ def make_inputs(op, shape, dtype, device, seed=0):
         inputs["w"].requires_grad_(True)
         inputs["dy"] = randn(m, n)
     return inputs
-
-
-def rope_tables(n_tokens, head_dim, dtype, device, theta=ROPE_THETA):
-    """(cos, sin), each (n_tokens, head_dim): the rotary tables of positions 0 … n_tokens − 1 as
-    transformers' default RoPE builds them, angle[t, j] = t · theta^(−2 (j mod D/2) / D)
-    (the D/2 frequencies repeated over the two halves), computed in float32, cast to ``dtype``."""
-    inv_freq = theta ** -(torch.arange(0, head_dim, 2, device=device, dtype=torch.float32)
-                          / head_dim)
-    angles = torch.arange(n_tokens, device=device, dtype=torch.float32)[:, None] * inv_freq
-    angles = torch.cat((angles, angles), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
