@@ -1,7 +1,7 @@
 """Test-wide settings: offline Hugging Face, a fixed thread count, GPU skips.
 
 Triton kernels run under the interpreter for CPU tensors whenever a test asks for
-``backend="triton"`` (normtools.core._launch does that without TRITON_INTERPRET); ``backend="auto"``
+``backend="triton"`` (normtools.core.launcher does that without TRITON_INTERPRET); ``backend="auto"``
 stays on the PyTorch reference on CPU, so tests that do not target the kernels stay fast.
 """
 

@@ -684,7 +684,7 @@ def test_chunked_plan_backend_reads_long_rows_twice():
     once in the backward on the sm_90 plan; on the chunked one x again in the forward, and x,
     dy and (for g = w ⊙ dy in both passes) w again in the backward, once per program; the
     gradients agree."""
-    from normtools.core import _launch
+    from normtools.core import launch_hooks, launch_plans
     from normtools.measure import bytes_counter
     from normtools.measure.bench import backends
 
@@ -697,12 +697,13 @@ def test_chunked_plan_backend_reads_long_rows_twice():
         y = normtools.rms_norm(inputs["x"], inputs["w"], 1e-6, backend="triton")
         return torch.autograd.grad(y, (inputs["x"], inputs["w"]), inputs["dy"])
 
-    with _launch.planning_for_cuda(), bytes_counter.counting_bytes() as on_clusters:
+    with launch_hooks.planning_for_cuda(), bytes_counter.counting_bytes() as on_clusters:
         expected = fwd_bwd(t)
     with bytes_counter.counting_bytes() as chunked:
         got = backends.on_chunked_plan(fwd_bwd, 132)(t)
     row = shape["M"] * shape["N"] * 4
-    programs = _launch.launch_plan("rms_norm_bwd", torch.float32, 4, 32768, capability=80).programs
+    programs = launch_plans.launch_plan("rms_norm_bwd", torch.float32, 4, 32768,
+                                        capability=80).programs
     weight = shape["N"] * 4
     for kernel, reread in (("rms_norm_fwd", row), ("rms_norm_bwd", 2 * row + programs * weight)):
         extra = sum(chunked[kernel].loads.values()) - sum(on_clusters[kernel].loads.values())

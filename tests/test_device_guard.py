@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import normtools
-from normtools.core import _launch
+from normtools.core import launcher
 from normtools.core import ops as ops_module
 from normtools.core import qk as qk_module
 
@@ -45,7 +45,7 @@ def test_kernel_for_enters_the_guard_of_the_tensors_device(monkeypatch):
             return lambda *args, **kwargs: launched_under.append(list(guard.active))
 
     for index in (1, 0, 3):
-        _launch.kernel_for(CompiledKernel(), torch.device("cuda", index))[(4,)](1, 2, X=3)
+        launcher.kernel_for(CompiledKernel(), torch.device("cuda", index))[(4,)](1, 2, X=3)
     assert launched_under == [[torch.device("cuda", 1)], [torch.device("cuda", 0)],
                               [torch.device("cuda", 3)]]
     assert guard.active == []
@@ -64,14 +64,14 @@ def test_every_op_launches_through_the_guard(op, monkeypatch):
     """Every launch of every op (forward and backward) goes through ``kernel_for`` with the
     device of its input, so the guard covers it: recorded by a kernel_for that records."""
     seen = []
-    real = _launch.kernel_for
+    real = launcher.kernel_for
 
     def recording(kernel, device):
         seen.append((getattr(kernel, "__name__", None) or kernel.fn.__name__,
                      torch.device(device)))
         return real(kernel, device)
 
-    for module in (ops_module, qk_module, _launch):
+    for module in (ops_module, qk_module, launcher):
         if hasattr(module, "kernel_for"):
             monkeypatch.setattr(module, "kernel_for", recording)
     x = torch.randn(4, 16, requires_grad=True)

@@ -21,7 +21,7 @@ import triton.runtime.interpreter as triton_interpreter
 
 import normtools
 from normtools._kernels import qk_norm as _qk
-from normtools.core import _launch
+from normtools.core import launch_hooks, launch_plans, launcher
 from normtools.measure import bytes_counter as kt
 
 
@@ -42,9 +42,9 @@ def nan_filled_float32(monkeypatch):
 @pytest.fixture
 def small_cpu_tiles(monkeypatch):
     """Chunks of 16 float32 values, one row per block and 6 persistent programs on CPU."""
-    monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64)
-    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 16)
-    monkeypatch.setattr(_launch, "CPU_PROGRAMS", 6)
+    monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64)
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 6)
 
 
 def _grads(op, m, n, seed=0, dtype=torch.float32):
@@ -74,7 +74,7 @@ def _grads(op, m, n, seed=0, dtype=torch.float32):
 def test_chunked_backward_over_several_programs(op, small_cpu_tiles, nan_filled_float32):
     """M = 7 rows of N = 40 (three 16-wide chunks) over 6 programs of 2 rows: programs 4 and
     5 get no rows. dx, dw (and db) against float64."""
-    plan = _launch.plan_for(f"{op}_bwd", torch.float32, 7, 40, "cpu")
+    plan = launcher.plan_for(f"{op}_bwd", torch.float32, 7, 40, "cpu")
     assert not plan.single_pass and plan.programs == 6
     assert (plan.programs - 1) * plan.rows_per_program >= 7          # idle programs exist
     got = _grads(op, 7, 40)
@@ -89,9 +89,9 @@ def test_cluster_plan_runs_the_single_pass_code(op, n, ctas_fwd, ctas_bwd):
     """An H200's plan for a long row: forward and backward one block of the whole row, each
     program a cluster of CTAs (which the interpreter runs as one program). Run with that plan
     on CPU, M = 3 rows: dx, dw (and db) against float64 through the single-pass code."""
-    with _launch.planning_for_cuda():
-        fwd = _launch.plan_for(f"{op}_fwd", torch.float32, 3, n, "cpu")
-        bwd = _launch.plan_for(f"{op}_bwd", torch.float32, 3, n, "cpu")
+    with launch_hooks.planning_for_cuda():
+        fwd = launcher.plan_for(f"{op}_fwd", torch.float32, 3, n, "cpu")
+        bwd = launcher.plan_for(f"{op}_bwd", torch.float32, 3, n, "cpu")
         got = _grads(op, 3, n)
     assert (fwd.single_pass, fwd.block_n, fwd.num_ctas) == (True, n, ctas_fwd)
     assert (bwd.single_pass, bwd.block_n, bwd.num_ctas) == (True, n, ctas_bwd)
@@ -108,7 +108,7 @@ def test_clusters_only_from_sm_90(kernel):
     one_cta = 16384 if kernel.endswith("_fwd") else 8192
     for n in (2 * one_cta, 131072, 262144):
         for capability in (75, 80, 86, 89, 90, 100):
-            plan = _launch.launch_plan(kernel, torch.bfloat16, 4096, n, "cuda", 132,
+            plan = launch_plans.launch_plan(kernel, torch.bfloat16, 4096, n, "cuda", 132,
                                        capability=capability)
             clustered = capability >= 90 and n <= 131072
             assert plan.single_pass == clustered, (n, capability)
@@ -134,10 +134,10 @@ def _reverse_program_order(monkeypatch):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_weight_grads_do_not_depend_on_program_order(op, chunked, monkeypatch):
     """Same plan, programs run in order and in reverse: dw bit for bit the same."""
-    monkeypatch.setattr(_launch, "CPU_PROGRAMS", 5)
-    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 64)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 5)
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 64)
     if chunked:
-        monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64)
+        monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64)
 
     def weight_grads():
         g = torch.Generator().manual_seed(1)
@@ -167,8 +167,8 @@ def test_weight_grads_do_not_depend_on_program_order(op, chunked, monkeypatch):
 def test_weight_grad_with_any_program_count(programs, monkeypatch):
     """Another number of programs partitions the rows differently (other bits, same math):
     dw within float32 rounding of float64."""
-    monkeypatch.setattr(_launch, "CPU_PROGRAMS", programs)
-    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 64)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", programs)
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 64)
     got = _grads("rms_norm", 13, 24, seed=programs)
     torch.testing.assert_close(got["triton"][1].double(), got["float64"][1], rtol=1e-5,
                                atol=1e-5)
@@ -184,7 +184,7 @@ def test_qk_norm_offsets_are_64_bit():
     rstd = torch.zeros(4)
     trace = []
     with kt.counting_bytes(touch_memory=False, trace=trace):
-        _launch.kernel_for(_qk.qk_norm_fwd, "cpu")[(heads,)](
+        launcher.kernel_for(_qk.qk_norm_fwd, "cpu")[(heads,)](
             q, k, w, w, q, k, rstd, rstd,
             n_tokens, 2, heads, 1, heads,
             q.stride(0), k.stride(0), q.stride(0), k.stride(0), 0, 0, 1e-6, 0.0,
@@ -198,7 +198,7 @@ def test_qk_norm_offsets_are_64_bit():
     assert np.all(np.concatenate(rstd_stores) >= rstd.data_ptr())
 
 
-@pytest.mark.parametrize("kernel", _launch.KERNELS)
+@pytest.mark.parametrize("kernel", launch_plans.KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_plans_cover_every_row_once(kernel, dtype):
     """For row lengths across the table and a few M: the persistent programs of each slot
@@ -208,8 +208,8 @@ def test_cuda_plans_cover_every_row_once(kernel, dtype):
     for n in (1, 100, 1024, 5000, 8192, 16384, 16385, 131072):
         for m in (1, 7, 4096, 100003):
             for slots in (1, 40):
-                plan = _launch.launch_plan(kernel, dtype, m, n, "cuda", 132, slots)
-                config = _launch.cuda_row_config(kernel, dtype.itemsize, n)
+                plan = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", 132, slots)
+                config = launch_plans.cuda_row_config(kernel, dtype.itemsize, n)
                 assert plan.rows_per_program % plan.block_m == 0 and config.reason
                 groups = plan.programs // slots
                 assert plan.programs == groups * slots
@@ -219,5 +219,5 @@ def test_cuda_plans_cover_every_row_once(kernel, dtype):
                 if config.block_n is not None:
                     assert plan.block_n <= config.block_n
                 assert plan.num_ctas == config.num_ctas
-                assert groups <= max(1, -(-(_launch.PROGRAMS_PER_SM * 132 // plan.num_ctas)
+                assert groups <= max(1, -(-(launch_plans.PROGRAMS_PER_SM * 132 // plan.num_ctas)
                                           // slots))

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 import normtools
-from normtools.core import _launch
+from normtools.core import launch_hooks, launcher
 from normtools.measure import bytes_counter as kt
 
 
@@ -46,7 +46,7 @@ def _tile_rows(X, Y, m, n, stride, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr)
 
 def _run(kernel, grid, *args, **kwargs):
     with kt.counting_bytes() as counts:
-        _launch.kernel_for(kernel, "cpu")[grid](*args, **kwargs)
+        launcher.kernel_for(kernel, "cpu")[grid](*args, **kwargs)
     return counts[kernel.fn.__name__]
 
 
@@ -98,7 +98,7 @@ def test_dry_run_touches_no_memory():
     x, y = torch.arange(10, dtype=torch.float32), torch.zeros(10)
     trace = []
     with kt.counting_bytes(touch_memory=False, trace=trace):
-        _launch.kernel_for(_masked_copy, "cpu")[(1,)](x, y, 10, BLOCK=16)
+        launcher.kernel_for(_masked_copy, "cpu")[(1,)](x, y, 10, BLOCK=16)
     assert torch.equal(y, torch.zeros(10))
     (load, a, size_a, *_), (store, b, size_b, *_) = trace
     assert (load, store, size_a, size_b) == ("load", "store", 4, 4)
@@ -110,7 +110,7 @@ def test_rms_norm_forward_counted_by_hand():
     """rms_norm, float32, M = 4, N = 64 with the CUDA plan of a 1-SM GPU: one program of
     BLOCK_M = 4 rows reads x and w once and writes y and rstd."""
     x, w = torch.randn(4, 64), torch.randn(64)
-    with _launch.planning_for_cuda(1), kt.counting_bytes() as counts:
+    with launch_hooks.planning_for_cuda(1), kt.counting_bytes() as counts:
         normtools.rms_norm(x, w, backend="triton")
     got = counts["rms_norm_fwd"]
     assert sum(got.loads.values()) == 4 * 64 * 4 + 64 * 4
@@ -125,7 +125,7 @@ def test_counter_sees_the_cuda_plan():
     x, w = torch.randn(8, 8192, dtype=torch.bfloat16), torch.ones(8192, dtype=torch.bfloat16)
     with kt.counting_bytes() as cpu:
         normtools.rms_norm(x, w, backend="triton")
-    with _launch.planning_for_cuda(2), kt.counting_bytes() as cuda:
+    with launch_hooks.planning_for_cuda(2), kt.counting_bytes() as cuda:
         normtools.rms_norm(x, w, backend="triton")
     act, row = 8 * 8192 * 2, 8192 * 2
     assert sum(cpu["rms_norm_fwd"].loads.values()) == act + row
@@ -233,7 +233,7 @@ def test_qk_norm_rope_forward_counted_by_hand():
     from normtools.measure import bench
     t = bench.make_inputs("qk_norm_rope_per_head", {"T": 4, "Hq": 2, "Hk": 1, "D": 8},
                           torch.bfloat16, "cpu")
-    with _launch.planning_for_cuda(1), kt.counting_bytes() as counts:
+    with launch_hooks.planning_for_cuda(1), kt.counting_bytes() as counts:
         normtools.qk_norm_rope(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"], t["sin"],
                                head_dim=8, backend="triton")
     got = counts["qk_norm_rope_fwd"]

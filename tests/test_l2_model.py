@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import normtools
-from normtools.core import _launch
+from normtools.core import launch_plans
 from normtools.measure import bytes_counter as kt
 from normtools.measure.l2_model import Access, dram_bytes
 
@@ -81,7 +81,7 @@ def test_counter_trace_feeds_the_model():
     x, w = torch.randn(8, 4096), torch.randn(4096)
     trace = []
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_launch, "MAX_CHUNK_BYTES", 4096)
+        mp.setattr(launch_plans, "MAX_CHUNK_BYTES", 4096)
         with kt.counting_bytes(trace=trace):
             normtools.rms_norm(x, w, backend="triton")
     assert {a.program for a in trace} == {0} and {a.launch for a in trace} == {0}

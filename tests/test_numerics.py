@@ -23,7 +23,7 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.olmo2.modeling_olmo2 import Olmo2RMSNorm
 
 import normtools
-from normtools.core import _launch
+from normtools.core import launch_plans
 from normtools.core import ops as ops_module
 
 # ----------------------------------------------------------------------------- eps
@@ -126,7 +126,7 @@ def kernel_path(request, monkeypatch):
     """Run the Triton launches of the test on the given path; yields a list that receives the
     SINGLE_PASS flag of each RMSNorm launch (to check that the path really is the one named)."""
     if request.param == "chunked":
-        monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64)   # 16 float32 / 32 bf16 values
+        monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64)   # 16 float32 / 32 bf16 values
     flags = []
     real_kernel_for = ops_module.kernel_for
 

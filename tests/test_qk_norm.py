@@ -26,7 +26,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import normtools
-from normtools.core import _launch
+from normtools.core import launch_hooks, launch_plans, launcher
 from normtools._kernels import qk_norm as _k
 from normtools.core import qk as qk_module
 from normtools.core.reference import rms_norm_reference
@@ -161,8 +161,8 @@ def test_edge_shapes(device, lead, hq, hk, head_dim, kind):
 def test_many_programs_and_chunks(kind, dtype, monkeypatch):
     """Small tiles and chunks on CPU: several token blocks per head (dw summed over partial
     rows) and rows longer than a chunk (the two-pass loops), as on CUDA at scale."""
-    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 128)
-    monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64)     # 16 fp32 or 32 bf16 per chunk
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 128)
+    monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64)     # 16 fp32 or 32 bf16 per chunk
     check_qk("cpu", "triton", (2, 5), 4, 2, 40, kind, dtype, torch.float32, "gemma", 0.5,
              fused=True)
 
@@ -196,8 +196,8 @@ def compile_kernels_for_sm90():
     Needs TRITON_INTERPRET unset."""
     for nq, nk, dtype, size in ((128, 128, "bf16", 2), (6144, 1024, "fp32", 4),
                                 (9216, 1024, "fp32", 4)):
-        with _launch.planning_for_cuda():
-            plan, block_nq, block_nk = qk_module._blocking(
+        with launch_hooks.planning_for_cuda():
+            plan, block_nq, block_nk = qk_module.launch_shape(
                 "qk_norm_bwd", 4096, nq, nk, 2, torch.bfloat16 if size == 2 else torch.float32,
                 "cpu")
         rows, num_warps = plan.block_m, plan.num_warps
@@ -268,7 +268,7 @@ def test_stride0_upstream_gradient_and_single_output(device):
 def test_weight_grads_are_deterministic(device, kind, monkeypatch):
     """dw from per-program partial rows is bitwise identical run to run (many programs)."""
     tokens = 64 if device == "cpu" else 20000
-    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 1024)     # 4 token blocks on CPU
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 1024)     # 4 token blocks on CPU
     q, k = make_qk((tokens,), 8, 2, 64, torch.bfloat16, device, False, False, 3)
     shape = weight_shape(kind, 8, 64), weight_shape(kind, 2, 64)
     scope = "per_layer" if kind == "per_layer" else "per_head"

@@ -213,12 +213,12 @@ def test_split_rows_and_idle_programs(scope, weights, dtype, casting, offset, mo
     read twice), 5 programs per slot for 12 tokens (3 tokens each: the last is idle), and
     float32 buffers full of NaN, so a partial that no program writes cannot pass. Outputs and
     gradients against float64."""
-    from normtools.core import _launch
+    from normtools.core import launch_plans, launcher
     slots = 2 if scope == "per_layer" else 4 + 2
-    monkeypatch.setattr(_launch, "MAX_CHUNK_BYTES", 64 if dtype == torch.float32 else 32)
-    monkeypatch.setitem(_launch.TILE_ELEMENTS, "cpu", 16)
-    monkeypatch.setattr(_launch, "CPU_PROGRAMS", 5 * slots)
-    plan = _launch.plan_for("qk_norm_rope_bwd", dtype, 12, 4 * 16, "cpu", slots=slots)
+    monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64 if dtype == torch.float32 else 32)
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 5 * slots)
+    plan = launcher.plan_for("qk_norm_rope_bwd", dtype, 12, 4 * 16, "cpu", slots=slots)
     assert plan.block_n == 16 and plan.block_m == 1
     assert plan.programs == 5 * slots and plan.rows_per_program == 3      # one idle per slot
     empty = torch.empty

@@ -30,7 +30,7 @@ pytest.importorskip("triton.backends.nvidia")
 SCRIPT = r"""
 import json, sys, torch, triton, triton.language as tl
 from normtools.measure import spills
-from normtools.core import _launch
+from normtools.core import launch_hooks, launcher
 
 @triton.jit
 def must_spill(X, Y, BLOCK: tl.constexpr):
@@ -39,8 +39,8 @@ def must_spill(X, Y, BLOCK: tl.constexpr):
     tl.store(Y + tl.arange(0, BLOCK), x / tl.sum(x, axis=0))
 
 x = torch.zeros(8192)
-with _launch.recording_launches() as toy:
-    _launch.kernel_for(must_spill, "cuda")[(1,)](x, x, BLOCK=8192, num_warps=1)
+with launch_hooks.recording_launches() as toy:
+    launcher.kernel_for(must_spill, "cuda")[(1,)](x, x, BLOCK=8192, num_warps=1)
 out = {"toy": spills.compile_report(toy[0], 90)}
 table = spills.spill_table(ops=("rms_norm_fwd_bwd", "layer_norm_fwd_bwd"),
                            dtypes=(torch.bfloat16,), ns=(16384, 131072), archs=(90,))

@@ -19,7 +19,7 @@ import torch
 from normtools.core import _validate
 from normtools._kernels import layer_norm as _ln
 from normtools._kernels import rms_norm as _rms
-from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
+from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (
     inv_rms,
     layer_norm_backward_reference,

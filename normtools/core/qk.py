@@ -30,7 +30,7 @@ from torch import nn
 
 from normtools.core import _validate
 from normtools._kernels import qk_norm as _k
-from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
+from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
                                  rms_norm_reference)
 
@@ -151,7 +151,7 @@ def _torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
 
 # ----------------------------------------------------------------------------- triton backend
 
-def _blocking(kernel, n_tokens, nq, nk, slots, dtype, device):
+def launch_shape(kernel, n_tokens, nq, nk, slots, dtype, device):
     """(launch plan, BLOCK_NQ, BLOCK_NK) of the q/k launch of ``kernel`` ("qk_norm_fwd" /
     "qk_norm_bwd") over ``slots`` = Hq + Hk head slots, from the plan of the longer row."""
     plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device, slots)
@@ -176,7 +176,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     k_rstd = torch.empty(hk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qy, ky, q_rstd, k_rstd
-    plan, block_nq, block_nk = _blocking("qk_norm_fwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
+    plan, block_nq, block_nk = launch_shape("qk_norm_fwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
                                          device)
     kernel_for(_k.qk_norm_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
@@ -207,7 +207,7 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
     # persistent grid: the token blocks of each head slot are shared by `groups` programs
-    plan, block_nq, block_nk = _blocking("qk_norm_bwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
+    plan, block_nq, block_nk = launch_shape("qk_norm_bwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
                                          device)
     groups = plan.programs // (hq + hk) if n_tokens > 0 else 0
     dqw_partial = torch.empty(hq * groups, nq, device=device, dtype=torch.float32)

@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
-from normtools.core._launch import as_rows, kernel_for, plan_for, resolve_backend
+from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend
 from normtools.core.qk import (_row_lens, _sum_partials, _torch_backward, _torch_forward,
                                check_qk_inputs)
 from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
@@ -91,7 +91,7 @@ def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_d
 
 # ----------------------------------------------------------------------------- triton backend
 
-def _launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
+def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     """(plan, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, q_slots, k_slots) of a launch of ``kernel``
     ("qk_norm_rope_fwd" / "qk_norm_rope_bwd"): the launch plan for q's row of one token
     (Hq heads of 2 · BLOCK_HALF columns), its tile of BLOCK_N columns cut into whole heads;
@@ -128,7 +128,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
     k_rstd = torch.empty(k2d.shape[1] // nk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qo, ko, q_rstd, k_rstd
-    plan, block_hq, block_hk, block_half, q_slots, k_slots = _launch_shape(
+    plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
         "qk_norm_rope_fwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
     kernel_for(_k.qk_norm_rope_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
@@ -166,7 +166,7 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
     dqo, dko = as_rows(dqo), as_rows(dko)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    plan, block_hq, block_hk, block_half, q_slots, k_slots = _launch_shape(
+    plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
         "qk_norm_rope_bwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
     groups = plan.programs // (q_slots + k_slots) if n_tokens > 0 else 0
     dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_slots * groups, groups,

@@ -55,7 +55,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from normtools.core import qk as _qk
-from normtools.core._launch import as_rows
+from normtools.core.launcher import as_rows
 from normtools.core.reference import rms_norm_apply
 
 __all__ = [

@@ -3,7 +3,7 @@
 ``counting_bytes()`` instruments Triton's interpreter: every ``tl.load`` / ``tl.store`` of an
 interpreted launch adds (masked-in lanes) × (element size) to the running kernel's count,
 split by direction and eviction hint, and the distinct addresses are kept too. Inside
-``normtools.core._launch.planning_for_cuda`` the ops launch exactly as on a GPU: the block
+``normtools.core.launch_hooks.planning_for_cuda`` the ops launch exactly as on a GPU: the block
 sizes, chunking, warps and persistent grid of the CUDA launch plan, not the CPU's tiles.
 
 ``kernel_traffic()`` runs every op (forward, forward+backward) that way and reports the bytes
@@ -41,8 +41,8 @@ import pandas as pd
 import torch
 import triton.runtime.interpreter as triton_interpreter
 
-from normtools.core import _launch
-from normtools.core.rope import _launch_shape as rope_launch_shape
+from normtools.core import launch_hooks, launch_plans
+from normtools.core.rope import launch_shape as rope_launch_shape
 from normtools.measure.bench.shapes import rows_and_length
 from normtools.measure.op_costs import bytes_moved
 from normtools.measure.triton_runs import QK_HEADS, op_inputs, run_on_triton
@@ -59,8 +59,8 @@ SIMULATED_PROGRAMS = 2
 REAL_M = 4096
 # GPUs whose launch plans the counter runs: SMs, compute capability, L2 (NVIDIA's data sheets).
 # The A100 (sm_80) has no thread-block clusters: its plan reads long rows in chunks.
-GPUS = {"h200": dict(sm_count=_launch.DEFAULT_SM_COUNT, capability=_launch.DEFAULT_CAPABILITY,
-                     l2_bytes=H200_L2_BYTES),
+GPUS = {"h200": dict(sm_count=launch_plans.DEFAULT_SM_COUNT,
+                     capability=launch_plans.DEFAULT_CAPABILITY, l2_bytes=H200_L2_BYTES),
         "a100": dict(sm_count=108, capability=80, l2_bytes=40 * 2**20)}
 
 
@@ -144,12 +144,12 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
     original_load, original_store = builder.create_masked_load, builder.create_masked_store
     builder.create_masked_load, builder.create_masked_store = masked_load, masked_store
     builder.get_cache_policy = lambda cache_modifier, eviction_policy: eviction_policy or ""
-    token = _launch.INTERPRETED_LAUNCH_OBSERVER.set(observe)
+    token = launch_hooks.INTERPRETED_LAUNCH_OBSERVER.set(observe)
     try:
         yield counts
         finish_launch()
     finally:
-        _launch.INTERPRETED_LAUNCH_OBSERVER.reset(token)
+        launch_hooks.INTERPRETED_LAUNCH_OBSERVER.reset(token)
         for name in ("create_masked_load", "create_masked_store", "get_cache_policy"):
             vars(builder).pop(name, None)
 
@@ -181,34 +181,34 @@ def _distinct_bytes(runs):
     return int((ends[closes] - starts[opens]).sum())
 
 
-def simulated_launch(op, shape, dtype, sm_count=_launch.DEFAULT_SM_COUNT,
-                     capability=_launch.DEFAULT_CAPABILITY):
+def simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,
+                     capability=launch_plans.DEFAULT_CAPABILITY):
     """(shape, SMs) a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
     (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
     QK-Norm: SIMULATED_PROGRAMS programs per head slot), on a GPU of SIMULATED_PROGRAMS x the
     plan's CTAs per program SMs (a cluster plan's program spans num_ctas SMs)."""
     direction = "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
     if op.startswith("qk_norm_rope"):
-        with _launch.planning_for_cuda(sm_count, capability):
+        with launch_hooks.planning_for_cuda(sm_count, capability):
             plan = rope_launch_shape("qk_norm_rope" + direction, shape["T"], shape["Hq"],
                                      shape["Hk"], shape["D"], "per_layer" in op, dtype, "cpu")[0]
         sim = dict(shape, T=min(shape["T"], SIMULATED_PROGRAMS * plan.rows_per_program))
     elif op.startswith("qk_norm"):
         m, n = rows_and_length(op, shape)
         slots = shape["Hq"] + shape["Hk"] if "per_head" in op else 2
-        plan = _launch.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
+        plan = launch_plans.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
                                    capability)
         sim = dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
     else:
         kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"
-        plan = _launch.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
+        plan = launch_plans.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
                                    sm_count, capability=capability)
         sim = dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
-    return sim, SIMULATED_PROGRAMS * plan.num_ctas // _launch.PROGRAMS_PER_SM
+    return sim, SIMULATED_PROGRAMS * plan.num_ctas // launch_plans.PROGRAMS_PER_SM
 
 
-def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_COUNT,
-                 l2_bytes=H200_L2_BYTES, capability=_launch.DEFAULT_CAPABILITY):
+def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=launch_plans.DEFAULT_SM_COUNT,
+                 l2_bytes=H200_L2_BYTES, capability=launch_plans.DEFAULT_CAPABILITY):
     """Counted bytes of one case: a dict with the simulated shape, the scale to the real
     shape, touched / unique bytes (scaled), the minimum, launches and the bytes by hint; and,
     unless ``l2_bytes`` is None, the DRAM bytes of the L2 model (``l2_model.dram_bytes``,
@@ -220,13 +220,13 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
     inputs = op_inputs(op, sim, dtype)
     scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
     trace = [] if l2_bytes is not None else None
-    with (_launch.planning_for_cuda(simulated_sms, capability),
+    with (launch_hooks.planning_for_cuda(simulated_sms, capability),
           counting_bytes(trace=trace, trace_line=LINE_BYTES) as counts):
         run_on_triton(op, inputs)
     modelled = {}
     if trace is not None:
         share = dict(capacity=l2_bytes * simulated_sms // sm_count, line=LINE_BYTES,
-                     resident=simulated_sms * _launch.PROGRAMS_PER_SM)
+                     resident=simulated_sms * launch_plans.PROGRAMS_PER_SM)
         modelled = {"dram": sum(dram_bytes(trace, **share)) * scale,
                     "dram_no_hints": sum(dram_bytes(trace, hints=False, **share)) * scale}
     hints = defaultdict(int)
@@ -243,8 +243,8 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=_launch.DEFAULT_SM_CO
 
 
 def kernel_traffic(ops=OPS, ns=ROW_LENGTHS, dtype=torch.bfloat16, m=REAL_M,
-                   qk_layout=(*QK_HEADS, 128), sm_count=_launch.DEFAULT_SM_COUNT,
-                   l2_bytes=H200_L2_BYTES, capability=_launch.DEFAULT_CAPABILITY):
+                   qk_layout=(*QK_HEADS, 128), sm_count=launch_plans.DEFAULT_SM_COUNT,
+                   l2_bytes=H200_L2_BYTES, capability=launch_plans.DEFAULT_CAPABILITY):
     """Bytes touched ÷ minimum for every op and row length, with the CUDA launch plans of a
     GPU of ``sm_count`` SMs, compute capability ``capability`` and ``l2_bytes`` of L2
     (default: an H200).

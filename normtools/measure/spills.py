@@ -3,7 +3,7 @@
 How it measures (no GPU needed):
 
 1. Record the launches. Each op runs on small CPU tensors inside
-   ``normtools.core._launch.planning_for_cuda`` (the CUDA launch plan of each compute
+   ``normtools.core.launch_hooks.planning_for_cuda`` (the CUDA launch plan of each compute
    capability: block sizes, chunking, warps, clusters from sm_90, grid) and
    ``recording_launches`` (each ``kernel[grid](*args, **kwargs)`` is recorded, not run). M is
    small; the kernel's constexprs, warps and CTAs depend on N, the dtype and the capability.
@@ -37,7 +37,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import create_function_from_signature
 
-from normtools.core import _launch
+from normtools.core import launch_hooks, launch_plans
 from normtools.measure.triton_runs import op_inputs, op_shape, run_on_triton
 
 ARCHS = (90, 80, 75)
@@ -59,14 +59,14 @@ def ptxas_path():
                         "ptxas-blackwell")
 
 
-def record_launches(op, dtype, n, m=64, capability=_launch.DEFAULT_CAPABILITY):
+def record_launches(op, dtype, n, m=64, capability=launch_plans.DEFAULT_CAPABILITY):
     """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
     (``triton_runs.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
     heads of n / 32) with the CUDA launch plan of a GPU of compute capability ``capability``
-    (clusters from 90 on): a list of ``_launch.RecordedLaunch``."""
+    (clusters from 90 on): a list of ``launch_hooks.RecordedLaunch``."""
     inputs = op_inputs(op, op_shape(op, n, m), dtype)
-    with (_launch.planning_for_cuda(capability=capability),
-          _launch.recording_launches() as launches):
+    with (launch_hooks.planning_for_cuda(capability=capability),
+          launch_hooks.recording_launches() as launches):
         run_on_triton(op, inputs)
     return launches
 

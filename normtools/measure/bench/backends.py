@@ -5,7 +5,7 @@ from importlib import import_module, util
 
 import torch
 
-from normtools.core import _launch
+from normtools.core import launch_hooks, launch_plans, launcher
 from normtools.measure.bench.shapes import (BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS,
                                           rows_and_length)
 
@@ -94,7 +94,7 @@ def clusters_matter(op, shape):
     """True when an sm_90 launch plan of ``op`` at ``shape`` runs a kernel on thread-block
     clusters, so that the chunked plan (``CHUNKED_CAPABILITY``) launches it differently."""
     rows, n = rows_and_length(op, shape)
-    return any(_launch.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
+    return any(launch_plans.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
                for kernel in _CLUSTER_KERNELS.get(op, ()))
 
 
@@ -102,7 +102,7 @@ def on_chunked_plan(fn, sm_count):
     """``fn`` with every kernel launched on the plan of a GPU of ``sm_count`` SMs without
     clusters (compute capability ``CHUNKED_CAPABILITY``), backward included."""
     def call(t):
-        with _launch.planning_for_cuda(sm_count, CHUNKED_CAPABILITY):
+        with launch_hooks.planning_for_cuda(sm_count, CHUNKED_CAPABILITY):
             return fn(t)
     return call
 
@@ -226,7 +226,7 @@ def backend_fn(op, backend, device, shape):
     else:
         fn = _no_grad(ops[op])
     if backend == "normtools-triton-chunks":
-        return on_chunked_plan(fn, _launch.cuda_sm_count_and_capability(device)[0])
+        return on_chunked_plan(fn, launcher.cuda_sm_count_and_capability(device)[0])
     return fn
 
 

@@ -1,0 +1,106 @@
+"""Every use of Triton's private API in normtools: running a ``@triton.jit`` kernel on CPU
+tensors with Triton's interpreter, and the interpreter's float32 → bfloat16 rounding fix.
+
+Written against Triton 3.9.0. It relies on internals that may change between releases:
+``triton.runtime.interpreter.InterpretedFunction`` (an interpreted twin of a kernel),
+``triton.runtime.interpreter._convert_float`` (the interpreter's float conversion, replaced
+for the duration of a launch), ``triton.runtime.jit.JITFunction`` (to find the compiled helpers
+to swap) and the knob ``triton.knobs.runtime.interpret``. Used by ``normtools.core.launcher``
+(``kernel_for``) only.
+"""
+
+import contextlib
+import sys
+import threading
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+import triton.runtime.interpreter as triton_interpreter
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
+
+from normtools.core.launch_hooks import INTERPRETED_LAUNCH_OBSERVER
+
+
+def is_interpreted(kernel):
+    """True for a kernel that TRITON_INTERPRET=1 made an interpreted function at import."""
+    return isinstance(kernel, InterpretedFunction)
+
+
+def _fp32_to_bf16_bits(data):
+    """float32 numpy array → bfloat16 bit patterns (uint16), rounded to nearest even."""
+    flat = torch.from_numpy(np.array(data, dtype=np.float32).reshape(-1))
+    return flat.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
+
+
+def _convert_float_rne(data, input_dtype, output_dtype, rounding_mode):
+    """Triton 3.9's interpreter truncates float32 → bfloat16 (the GPU rounds to nearest even);
+    this replacement of its ``_convert_float`` rounds that conversion as the GPU does."""
+    if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
+        return _fp32_to_bf16_bits(data)
+    return _TRITON_CONVERT_FLOAT(data, input_dtype, output_dtype, rounding_mode)
+
+
+_TRITON_CONVERT_FLOAT = triton_interpreter._convert_float
+
+
+class InterpretedKernel:
+    """A ``@triton.jit`` kernel run by Triton's interpreter: ``kernel[grid](*args, **kwargs)``.
+
+    Triton decides at decoration time whether a ``@triton.jit`` function is compiled or
+    interpreted (TRITON_INTERPRET=1 must be set before ``import triton``), and the interpreter
+    cannot call compiled ``@triton.jit`` functions: the kernel's helpers and the ``tl.*``
+    functions written in Triton (tl.sum, tl.zeros, ...). For the duration of a launch this
+    swaps each of them, in the namespaces of the kernel's module (helpers imported from
+    kernels/tiles.py included, since they are bound there) and of triton.language, for an
+    interpreted twin, switches the interpreter knob on and makes float32 → bfloat16 casts
+    round to nearest even; everything is restored afterwards. Launches are serialized by a
+    lock. Before each launch the observer of ``launch_hooks.INTERPRETED_LAUNCH_OBSERVER``, if
+    any, is called with (kernel name, grid).
+    """
+
+    _lock = threading.Lock()
+    _twins = {}
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.namespaces = (sys.modules[kernel.fn.__module__].__dict__, tl.__dict__,
+                           tl.standard.__dict__)
+
+    @classmethod
+    def _twin(cls, fn):
+        if isinstance(fn, InterpretedFunction):
+            return fn
+        # keyed by id: hashing a JITFunction walks its globals
+        if id(fn) not in cls._twins:
+            cls._twins[id(fn)] = InterpretedFunction(fn.fn)
+        return cls._twins[id(fn)]
+
+    @contextlib.contextmanager
+    def _interpreter_mode(self):
+        swapped = [(ns, name, value) for ns in self.namespaces
+                   for name, value in ns.items() if isinstance(value, JITFunction)]
+        twins = [self._twin(value) for _, _, value in swapped]
+        previous_knob = triton.knobs.runtime.interpret
+        try:
+            triton.knobs.runtime.interpret = True
+            triton_interpreter._convert_float = _convert_float_rne
+            for (ns, name, _), twin in zip(swapped, twins):
+                ns[name] = twin
+            yield
+        finally:
+            for ns, name, value in swapped:
+                ns[name] = value
+            triton_interpreter._convert_float = _TRITON_CONVERT_FLOAT
+            triton.knobs.runtime.interpret = previous_knob
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with self._lock, self._interpreter_mode():
+                observer = INTERPRETED_LAUNCH_OBSERVER.get()
+                if observer is not None:
+                    observer(self.kernel.fn.__name__, tuple(grid))
+                return self._twin(self.kernel)[grid](*args, **kwargs)
+        return launch

@@ -1,0 +1,92 @@
+"""Launch hooks: the one extension point through which measurement sees the kernel launches.
+
+Every launch of every op goes through ``normtools.core.launch.kernel_for`` and
+``normtools.core.launcher.plan_for``; these three hooks, each a context variable (so a hook set
+in one thread or task never leaks into another), change what those two do:
+
+* ``planning_for_cuda(sm_count, capability)``: plan_for gives CPU tensors the launch plan of a
+  CUDA device, so the interpreter runs exactly the block sizes and grid a GPU run gets. Used by
+  ``normtools.measure.bytes_counter`` (bytes counted on the GPU's plan),
+  ``normtools.measure.spills`` (compiling each plan per compute capability) and
+  ``normtools.measure.bench.backends`` (the chunked plan of a GPU without clusters).
+* ``recording_launches()``: kernel_for records each launch (kernel, grid, arguments) instead
+  of running it. Used by ``normtools.measure.spills``, which compiles the recorded launches
+  for a GPU ahead of time.
+* ``INTERPRETED_LAUNCH_OBSERVER``: called with (kernel name, grid) before each launch run by
+  Triton's interpreter. Used by the bytes counter (``normtools.measure.bytes_counter``) to split
+  its counts by launch.
+
+Nothing in the library sets them; without them the ops launch as they are.
+"""
+
+import contextlib
+import contextvars
+import dataclasses
+
+from triton.runtime import JITFunction
+
+from normtools.core.launch_plans import DEFAULT_CAPABILITY, DEFAULT_SM_COUNT
+
+# Called with (kernel name, grid) before each interpreted launch (the bytes counter's hook).
+INTERPRETED_LAUNCH_OBSERVER = contextvars.ContextVar("normtools_launch_observer", default=None)
+
+_LAUNCH_RECORDER = contextvars.ContextVar("normtools_launch_recorder", default=None)
+_PLAN_TARGET = contextvars.ContextVar("normtools_plan_target", default=None)
+
+
+@contextlib.contextmanager
+def planning_for_cuda(sm_count=DEFAULT_SM_COUNT, capability=DEFAULT_CAPABILITY):
+    """Within this context, launches on CPU tensors (Triton's interpreter) use the plans of a
+    CUDA device with ``sm_count`` SMs and compute capability ``capability``: how the bytes
+    counter and the spill report see exactly the block sizes and grids that a GPU run gets
+    (the interpreter runs a cluster plan's program as one program: ``num_ctas`` changes where
+    the row's values live, not which bytes the program loads and stores)."""
+    token = _PLAN_TARGET.set((sm_count, capability))
+    try:
+        yield
+    finally:
+        _PLAN_TARGET.reset(token)
+
+
+def cuda_plan_target():
+    """(SMs, compute capability) of the enclosing ``planning_for_cuda``, or None."""
+    return _PLAN_TARGET.get()
+
+
+@contextlib.contextmanager
+def recording_launches():
+    """Within this context, kernel launches are recorded instead of run: yields a list that
+    receives a ``RecordedLaunch`` per launch (the ops' outputs are then uninitialized)."""
+    launches = []
+    token = _LAUNCH_RECORDER.set(launches)
+    try:
+        yield launches
+    finally:
+        _LAUNCH_RECORDER.reset(token)
+
+
+@dataclasses.dataclass
+class RecordedLaunch:
+    """A launch ``kernel[grid](*args, **kwargs)`` seen inside ``recording_launches``."""
+
+    kernel: JITFunction
+    grid: tuple
+    args: tuple
+    kwargs: dict
+
+
+def recording_kernel(kernel):
+    """Inside ``recording_launches``: a stand-in for ``kernel`` whose launches
+    ``[grid](*args, **kwargs)`` are recorded, not run; outside: None."""
+    launches = _LAUNCH_RECORDER.get()
+    return None if launches is None else _RecordingKernel(kernel, launches)
+
+
+class _RecordingKernel:
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.append(RecordedLaunch(self.kernel, tuple(grid), args, kwargs))
+        return launch

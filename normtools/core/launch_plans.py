@@ -1,0 +1,255 @@
+"""Launch plans: the block sizes, warps and grid of every launch of a row-wise kernel.
+
+``CUDA_ROW_CONFIGS`` is the tuning, written out row by row as QuACK writes its per-N tables:
+each row's numbers sit next to the reason they were chosen. ``launch_plan`` turns the row for a
+kernel, a dtype and an (M, N) matrix into a ``LaunchPlan``; it is pure (it reads no device), so
+the real launch (``normtools.core.launcher.plan_for``) and the ahead-of-time tools
+(``normtools.measure.spills``, ``normtools.measure.bytes_counter``) see the same plans.
+"""
+
+import dataclasses
+from typing import Optional
+
+import torch
+import triton
+
+# CPU launch knobs (the interpreter pays ~1 ms per program instance, so CPU tiles are large;
+# tests shrink these to force chunking and many programs on CPU). CUDA plans come from
+# CUDA_ROW_CONFIGS below.
+MAX_CHUNK_BYTES = 32768         # a CPU row chunk: 8192 fp32 or 16384 bf16 values
+TILE_ELEMENTS = {"cpu": 65536}  # values in one CPU program's tile of short rows
+CPU_PROGRAMS = 4                # persistent backward grid on CPU
+# Persistent grids on CUDA: programs per SM. One: every backward program adds a float32
+# partial row (written, then read by kernels/partials.py) and every forward program reads the
+# weight, so at M = 4096 rows two per SM cost RMSNorm forward+backward 8 % above the minimum
+# bytes and LayerNorm 15 %, one per SM 4 % and 7.5 % (normtools.measure.bytes_counter); the
+# short-row tiles below are 16 warps, so that one program still keeps 16 warps on its SM.
+PROGRAMS_PER_SM = 1
+# The GPU that plans are made for when no GPU is present (H200, the benchmark target): its
+# SMs and compute capability (sm_90).
+DEFAULT_SM_COUNT = 132
+DEFAULT_CAPABILITY = 90
+
+KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
+           "qk_norm_fwd", "qk_norm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class RowConfig:
+    """How a row of up to ``n_max`` elements is launched on CUDA: ``block_n`` columns per tile
+    (None: the whole row, next_power_of_2(N), read once), ``num_warps``, ``tile`` values per
+    program (short rows are packed tile // BLOCK_N to a program), and ``num_ctas``, the CTAs of
+    a thread-block cluster that one program spans, on GPUs of compute capability
+    ``min_capability`` or newer (clusters need sm_90).
+
+    A cluster keeps a row too long for one SM's registers on chip: Triton lays the
+    (1, BLOCK_N) block across the cluster's CTAs, one SM each, and reduces across them through
+    distributed shared memory (``barrier.cluster``, ``mapa``), so the kernel's source does not
+    change and its row is still read once."""
+
+    n_max: int
+    block_n: Optional[int]
+    num_warps: int
+    tile: int
+    reason: str
+    num_ctas: int = 1
+    min_capability: int = 0
+
+
+_WHOLE_ROW = None    # block_n of a row read whole: next_power_of_2(N) columns
+_ANY_N = 1 << 62     # n_max of the last row of a table: every longer row
+
+# CUDA_ROW_CONFIGS[(direction, element bytes)]: one row per range of N, first match wins
+# (direction "fwd" / "bwd"; "rope_fwd" / "rope_bwd" for the fused QK-Norm + RoPE kernels).
+# Checked ahead of time by normtools.measure.spills (0 B of spill at sm_90 for every row, and
+# every row compiles for sm_75 and sm_80) and normtools.measure.bytes_counter (bytes touched).
+#
+# Forward clusters: 16 warps x 32 values per thread = 16384 values per CTA; backward (x and
+# dy): 8192. Clusters of 2-8 CTAs are portable; 16 is not, and Triton's launcher allows it.
+# The fused QK-Norm + RoPE kernels (kernels/qk_norm_rope.py) tile the heads of a token: their
+# row is q's Hq · 2 · next_power_of_2(head_dim / 2) values, cut into whole heads, so they take
+# no clusters; backward rows past 8192 use tiles of 2048 (16 warps for 2-byte values, 8 for
+# float32).
+CUDA_ROW_CONFIGS = {
+    ("fwd", 2): (
+        RowConfig(8192, _WHOLE_ROW, 16, 16384,
+                  "rows up to 8192 packed in 16384-value tiles, 16 warps (one program per SM), "
+                  "32 values per thread"),
+        RowConfig(16384, _WHOLE_ROW, 16, 16384,
+                  "one row per block, 32 values per thread (<= 128 regs)"),
+        RowConfig(32768, _WHOLE_ROW, 16, 32768,
+                  "one row, 32 values per thread in each CTA's 16 warps on a cluster of 2 CTAs "
+                  "(sm_90+), read once", num_ctas=2, min_capability=90),
+        RowConfig(65536, _WHOLE_ROW, 16, 65536,
+                  "one row, 32 values per thread in each CTA's 16 warps on a cluster of 4 CTAs "
+                  "(sm_90+), read once", num_ctas=4, min_capability=90),
+        RowConfig(131072, _WHOLE_ROW, 16, 131072,
+                  "one row, 32 values per thread in each CTA's 16 warps on a cluster of 8 CTAs "
+                  "(sm_90+), read once", num_ctas=8, min_capability=90),
+        RowConfig(_ANY_N, 8192, 16, 8192,
+                  "before sm_90, or past a cluster of 8: a whole row spills (32768 in 32 warps: "
+                  "40-208 B at sm_90), chunks of 8192, two passes"),
+    ),
+    ("fwd", 4): (
+        RowConfig(8192, _WHOLE_ROW, 16, 16384,
+                  "rows up to 8192 packed in 16384-value tiles, 16 warps (one program per SM), "
+                  "32 values per thread"),
+        RowConfig(16384, _WHOLE_ROW, 16, 16384,
+                  "one row per block, 32 values per thread (<= 128 regs)"),
+        RowConfig(32768, _WHOLE_ROW, 16, 32768,
+                  "one row, 32 values per thread in each CTA's 16 warps on a cluster of 2 CTAs "
+                  "(sm_90+), read once", num_ctas=2, min_capability=90),
+        RowConfig(65536, _WHOLE_ROW, 16, 65536,
+                  "one row, 32 values per thread in each CTA's 16 warps on a cluster of 4 CTAs "
+                  "(sm_90+), read once", num_ctas=4, min_capability=90),
+        RowConfig(131072, _WHOLE_ROW, 16, 131072,
+                  "one row, 32 values per thread in each CTA's 16 warps on a cluster of 8 CTAs "
+                  "(sm_90+), read once", num_ctas=8, min_capability=90),
+        RowConfig(_ANY_N, 8192, 16, 8192,
+                  "before sm_90, or past a cluster of 8: a whole row spills (32768 in 32 warps: "
+                  "72-208 B at sm_90), chunks of 8192, two passes"),
+    ),
+    ("bwd", 2): (
+        RowConfig(8192, _WHOLE_ROW, 16, 8192,
+                  "rows up to 8192 packed in 8192-value tiles, 16 warps (one program per SM): "
+                  "x and dy 2 x 16 values per thread"),
+        RowConfig(16384, _WHOLE_ROW, 16, 16384,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 2 CTAs (sm_90+), read once", num_ctas=2, min_capability=90),
+        RowConfig(32768, _WHOLE_ROW, 16, 32768,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 4 CTAs (sm_90+), read once", num_ctas=4, min_capability=90),
+        RowConfig(65536, _WHOLE_ROW, 16, 65536,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 8 CTAs (sm_90+), read once", num_ctas=8, min_capability=90),
+        RowConfig(131072, _WHOLE_ROW, 16, 131072,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 16 CTAs (sm_90+), read once", num_ctas=16, min_capability=90),
+        RowConfig(_ANY_N, 4096, 16, 4096,
+                  "before sm_90, or past a cluster of 16: a whole row spills (16384 at sm_90: "
+                  "164 B RMSNorm, 292 B LayerNorm in 16 warps, 104 / 216 B in 32), chunks of "
+                  "4096"),
+    ),
+    ("bwd", 4): (
+        RowConfig(8192, _WHOLE_ROW, 16, 8192,
+                  "rows up to 8192 packed in 8192-value tiles, 16 warps (one program per SM): "
+                  "x and dy 2 x 16 values per thread"),
+        RowConfig(16384, _WHOLE_ROW, 16, 16384,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 2 CTAs (sm_90+), read once", num_ctas=2, min_capability=90),
+        RowConfig(32768, _WHOLE_ROW, 16, 32768,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 4 CTAs (sm_90+), read once", num_ctas=4, min_capability=90),
+        RowConfig(65536, _WHOLE_ROW, 16, 65536,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 8 CTAs (sm_90+), read once", num_ctas=8, min_capability=90),
+        RowConfig(131072, _WHOLE_ROW, 16, 131072,
+                  "one row, x and dy 2 x 16 values per thread in each CTA's 16 warps on a "
+                  "cluster of 16 CTAs (sm_90+), read once", num_ctas=16, min_capability=90),
+        RowConfig(_ANY_N, 2048, 8, 2048,
+                  "before sm_90, or past a cluster of 16: x, dy and dw of a whole row spill; "
+                  "QK-Norm's chunked kernel spills 4 B with chunks of 4096: chunks of 2048"),
+    ),
+    ("rope_fwd", 2): (
+        RowConfig(8192, _WHOLE_ROW, 16, 8192,
+                  "rows up to 8192 in 8192-value tiles, 16 warps (16384-value tiles spill 40 B "
+                  "at sm_90 in float32, 32 heads of 32)"),
+        RowConfig(16384, _WHOLE_ROW, 16, 16384,
+                  "one row per block, 32 values per thread (<= 128 regs)"),
+        RowConfig(_ANY_N, 8192, 16, 8192,
+                  "before sm_90, or past a cluster of 8: a whole row spills (32768 in 32 warps: "
+                  "40-208 B at sm_90), chunks of 8192, two passes"),
+    ),
+    ("rope_fwd", 4): (
+        RowConfig(8192, _WHOLE_ROW, 16, 8192,
+                  "rows up to 8192 in 8192-value tiles, 16 warps (16384-value tiles spill 40 B "
+                  "at sm_90 in float32, 32 heads of 32)"),
+        RowConfig(16384, _WHOLE_ROW, 16, 16384,
+                  "one row per block, 32 values per thread (<= 128 regs)"),
+        RowConfig(_ANY_N, 8192, 16, 8192,
+                  "before sm_90, or past a cluster of 8: a whole row spills (32768 in 32 warps: "
+                  "72-208 B at sm_90), chunks of 8192, two passes"),
+    ),
+    ("rope_bwd", 2): (
+        RowConfig(8192, _WHOLE_ROW, 16, 8192,
+                  "rows up to 8192 packed in 8192-value tiles, 16 warps (one program per SM): "
+                  "x and dy 2 x 16 values per thread"),
+        RowConfig(_ANY_N, 2048, 16, 2048,
+                  "per_layer rows past a tile, read twice; at sm_90 tiles of 4096 in 16 warps "
+                  "spill 8 B (N = 65536: 2 heads of 2048), of 2048 in 8 warps 4 B in float16 "
+                  "(N = 16384): tiles of 2048 in 16 warps"),
+    ),
+    ("rope_bwd", 4): (
+        RowConfig(8192, _WHOLE_ROW, 16, 8192,
+                  "rows up to 8192 packed in 8192-value tiles, 16 warps (one program per SM): "
+                  "x and dy 2 x 16 values per thread"),
+        RowConfig(_ANY_N, 2048, 8, 2048,
+                  "per_layer rows past a tile, read twice: tiles of 2048 in 8 warps, the "
+                  "float32 chunks of the norms' backward"),
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of a row-wise kernel over an (M, N) matrix: BLOCK_M rows x BLOCK_N columns
+    per tile, ``num_warps`` per CTA, a persistent grid of ``programs`` of ``num_ctas`` CTAs
+    each (a cluster when > 1), each looping over ``rows_per_program`` rows, and the reason
+    the configuration was picked. ``single_pass``: the whole row fits one tile (N <= BLOCK_N),
+    the kernels' SINGLE_PASS."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    programs: int
+    rows_per_program: int
+    single_pass: bool
+    reason: str
+    num_ctas: int = 1
+
+
+def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
+    """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd"), a row of n elements
+    and a GPU of compute capability ``capability`` (e.g. 90 for sm_90)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
+    direction = ("rope_" if kernel.startswith("qk_norm_rope") else "") + kernel.rsplit("_", 1)[1]
+    table = CUDA_ROW_CONFIGS[direction, 4 if element_size >= 4 else 2]
+    return next(config for config in table
+                if n <= config.n_max and capability >= config.min_capability)
+
+
+def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1,
+                capability=DEFAULT_CAPABILITY):
+    """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
+    reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
+    spill report) use the same block sizes and grid.
+
+    Grids are persistent: ``slots`` independent row sets (QK-Norm: one per head slot of q and
+    k) get ``groups`` programs each, about PROGRAMS_PER_SM x ``sm_count`` CTAs in all (a
+    program of a cluster plan is ``num_ctas`` CTAs), and a program loops over
+    ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the weight is read once
+    per program, not once per row.
+
+    CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n, ``capability``). CPU
+    (Triton's interpreter): BLOCK_N = next_power_of_2(n) up to MAX_CHUNK_BYTES / element size,
+    TILE_ELEMENTS["cpu"] values per tile, CPU_PROGRAMS programs in a persistent grid.
+    """
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    whole_row = triton.next_power_of_2(max(n, 1))
+    if device_type == "cuda":
+        config = cuda_row_config(kernel, element_size, n, capability)
+        block_n = whole_row if config.block_n is None else min(config.block_n, whole_row)
+        tile, num_warps, reason = config.tile, config.num_warps, config.reason
+        num_ctas = config.num_ctas
+        limit = max(1, PROGRAMS_PER_SM * sm_count // num_ctas)
+    else:
+        block_n = min(whole_row, MAX_CHUNK_BYTES // element_size)
+        tile, num_warps, limit, num_ctas = TILE_ELEMENTS["cpu"], 4, CPU_PROGRAMS, 1
+        reason = "CPU interpreter: large tiles (about 1 ms per program)"
+    block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
+    blocks = triton.cdiv(m, block_m)
+    groups = max(1, min(blocks, triton.cdiv(limit, slots)))
+    programs, rows_per_program = slots * groups, triton.cdiv(blocks, groups) * block_m
+    return LaunchPlan(block_m, block_n, num_warps, programs, rows_per_program, n <= block_n,
+                      reason, num_ctas)

@@ -1,0 +1,132 @@
+"""How a launcher runs a kernel: the plan for its tensors, then the kernel for their device.
+
+A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it runs::
+
+    plan = plan_for("rms_norm_fwd", x.dtype, m, n, x.device)       # launch_plans' table
+    kernel_for(kernels.rms_norm_fwd, x.device)[(plan.programs,)](..., eps=eps, ...)
+
+* ``resolve_backend``: "auto" → "triton" on CUDA, "torch" on CPU unless the interpreter is
+  asked for (``TRITON_INTERPRET=1``).
+* ``plan_for``: ``launch_plans.launch_plan`` for the tensors' device (its SM count and compute
+  capability on CUDA), or for the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``.
+* ``kernel_for``: the callable kernel for a device: the compiled ``@triton.jit`` kernel inside
+  a device guard for CUDA tensors; the same kernel run by Triton's interpreter for CPU tensors
+  (``normtools.core._triton_interpreter``), also in a process in which ``TRITON_INTERPRET`` was
+  never set; a recorder inside ``launch_hooks.recording_launches``.
+* ``as_rows``: a (M, N) view of a tensor with unit stride along N (a copy only if needed).
+* ``sum_partials``: the last launch of every backward, the weight gradient from the
+  per-program partial rows (``kernels/partials.py``).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+
+from normtools._kernels import partials as _partials
+from normtools.core import launch_hooks
+from normtools.core._triton_interpreter import InterpretedKernel, is_interpreted
+from normtools.core.launch_plans import launch_plan
+
+
+def _interpreter_requested():
+    """True when the environment asks for Triton's interpreter (TRITON_INTERPRET=1). Only the
+    environment is read, so that torch.compile can trace this."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend, device):
+    """Map "auto" to a concrete backend: "triton" on CUDA, "torch" on CPU unless
+    ``TRITON_INTERPRET=1``; "torch" and "triton" are returned unchanged."""
+    if backend != "auto":
+        return backend
+    if torch.device(device).type == "cuda" or _interpreter_requested():
+        return "triton"
+    return "torch"
+
+
+def plan_for(kernel, dtype, m, n, device, slots=1):
+    """``launch_plans.launch_plan`` for tensors on ``device`` (its SM count on CUDA), or for
+    the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``."""
+    target = launch_hooks.cuda_plan_target()
+    if target is not None:
+        sm_count, capability = target
+        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
+    if torch.device(device).type == "cuda":
+        sm_count, capability = cuda_sm_count_and_capability(device)
+        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
+    return launch_plan(kernel, dtype, m, n, "cpu", slots=slots)
+
+
+def cuda_sm_count_and_capability(device):
+    """(SMs, compute capability as 10 · major + minor) of a CUDA ``device`` (index None: the
+    current device)."""
+    device = torch.device(device)
+    return _sm_count_and_capability(device.index if device.index is not None
+                                    else torch.cuda.current_device())
+
+
+@functools.cache
+def _sm_count_and_capability(index):
+    properties = torch.cuda.get_device_properties(index)
+    return properties.multi_processor_count, 10 * properties.major + properties.minor
+
+
+def kernel_for(kernel, device):
+    """The callable form of a ``@triton.jit`` kernel for tensors on ``device``: the compiled
+    kernel for CUDA tensors; for CPU tensors the kernel run by Triton's interpreter (also when
+    TRITON_INTERPRET=1 made it an interpreted function at import). Use as
+    ``kernel_for(k, x.device)[grid](...)``. A CUDA launch runs inside a device guard for
+    ``device``. Inside ``launch_hooks.recording_launches`` the launch is recorded, not run."""
+    recorder = launch_hooks.recording_kernel(kernel)
+    if recorder is not None:
+        return recorder
+    if torch.device(device).type == "cuda" and not is_interpreted(kernel):
+        return _DeviceGuardedKernel(kernel, torch.device(device))
+    return InterpretedKernel(kernel)
+
+
+class _DeviceGuardedKernel:
+    """A compiled kernel launched inside ``torch.cuda.device(device)``, as Liger-Kernel does:
+    Triton launches on the current CUDA device, so without the guard tensors on another GPU
+    would be read by a launch on the wrong one."""
+
+    def __init__(self, kernel, device):
+        self.kernel, self.device = kernel, device
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with torch.cuda.device(self.device):
+                return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+def as_rows(t):
+    """View ``t`` as (M, N) rows, N = t.shape[-1], with unit stride along N.
+
+    The row stride is whatever it is (it may differ from N, or be 0 for an expanded gradient);
+    a copy is made only when the last dimension is strided or the leading dimensions cannot be
+    merged into one stride.
+    """
+    n = t.shape[-1]
+    if t.stride(-1) != 1 and n > 1:
+        t = t.contiguous()
+    return t.reshape(-1, n)
+
+
+def sum_partials(partial, dtype):
+    """OUT[o] = Σ_i partial[i, o] in float32, written as ``dtype``: the weight gradient from
+    the backward's per-program partial rows ``partial`` (n_partials, n_out, N; the last two
+    dimensions contiguous), one launch of ``kernels/partials.py``. Returns (n_out, N)."""
+    n_partials, n_out, n = partial.shape
+    out = torch.empty((n_out, n), dtype=dtype, device=partial.device)
+    # (32, 128) tiles: 32 float32 values per thread in 4 warps, N / 128 programs per row
+    block_n = min(triton.next_power_of_2(max(n, 1)), 128)
+    block_p = min(triton.next_power_of_2(max(n_partials, 1)), 32)
+    if n_partials == 0:
+        return out.zero_()
+    kernel_for(_partials.sum_partials, partial.device)[(triton.cdiv(n, block_n), n_out)](
+        partial, out, n_partials=n_partials, n_out=n_out, N=n, stride_partial=partial.stride(0),
+        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
+    return out
