@@ -254,7 +254,7 @@ def test_gated_norms_of_linear_attention_are_norms_and_named(committed):
 def test_qk_norm_is_read_from_the_first_layer_with_full_attention(model_type, committed):
     """In a hybrid the first layers are linear attention: the QK-Norm is read from the first
     layer whose config type is full attention (layer 0 when the config has no layer types)."""
-    config = atlas.tiny_family_config(model_type)
+    config = transformers.AutoConfig.for_model(**cards.tiny_config(model_type, from_defaults=True))
     layer_types = getattr(config, "layer_types", None) or ["full_attention"]
     assert committed["families"][model_type]["probe"]["qk_layer"] == layer_types.index("full_attention")
 
@@ -271,7 +271,7 @@ def test_the_tiny_model_has_a_layer_of_each_kind(committed):
     """Jamba's defaults put attention on every 8th layer from layer 4 (attn_layer_period,
     attn_layer_offset): a tiny model of its first layers would be all Mamba. The tiny config
     keeps one layer of each kind, and the probe sees the attention layer's norms."""
-    config = atlas.tiny_family_config("jamba")
+    config = transformers.AutoConfig.for_model(**cards.tiny_config("jamba", from_defaults=True))
     assert set(config.layers_block_type) == {"mamba", "attention"}
     sublayers = committed["families"]["jamba"]["probe"]["sublayer_placements"]
     assert any("self_attn" in layer for layer in sublayers), sublayers

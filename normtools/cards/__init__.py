@@ -28,22 +28,27 @@ QK-Norm scope: ``"per_head"`` one weight of size head_dim shared by all heads; `
 one weight per head, shape (H, head_dim); ``"per_layer"`` one norm over all H*head_dim features.
 
 Modules: ``types`` (the card's data types and :func:`diff`), ``derive`` (a card from a
-transformers config, one rule per family), ``sources`` (checkpoint directories, config.json files,
-bundled published configs in ``configs/``), ``params`` (exact parameter counts), ``render``
-(rows, Markdown), ``cli`` (``normtools card`` / ``diff``), ``safetensors_header`` (tensor names
-and shapes without loading weights) and ``patching`` (swap a transformers model's norms for the
-library's, as its card says; imported on its own, since it loads the kernels).
+transformers config, one rule per family, and the model of a config), ``tiny`` (tiny configs of
+random-weight models, :func:`tiny_config`), ``sources`` (checkpoint directories, config.json
+files, bundled published configs in ``configs/``), ``params`` (exact parameter counts),
+``render`` (rows, Markdown), ``cli`` (``normtools card`` / ``diff`` / ``atlas``),
+``safetensors_header`` (tensor names and shapes without loading weights), ``patching`` (swap a
+transformers model's norms for the library's, as its card says; imported on its own, since it
+loads the kernels) and the subpackage ``atlas`` (a card for every causal-LM family of the
+installed transformers, probed from its running code: ``run``, ``probed``, ``layers``, ``qk``,
+``norm``, ``card``, ``table``; the committed result is ``data/atlas.json``).
 """
 
-from normtools.cards.derive import SUPPORTED_MODEL_TYPES, build_model, from_hf_config, tiny_config
+from normtools.cards.derive import SUPPORTED_MODEL_TYPES, build_model, from_hf_config
 from normtools.cards.params import COUNT_KEYS, TEXTBOOK_KEYS, count_parameters
 from normtools.cards.render import CASTING_FORMULAS, card, card_rows, diff_table
 from normtools.cards.sources import bundled_configs, from_checkpoint, load, load_bundled_config, read_config_json
+from normtools.cards.tiny import forced_flags, tiny_config
 from normtools.cards.types import (PLACEMENTS, QK_SCOPES, CheckpointMismatchError, ModelNormSpec, NormSpec,
                                    OtherNorm, ProjectionBiases, QKNormSpec, SpecError, diff)
 
 __all__ = ["SUPPORTED_MODEL_TYPES", "PLACEMENTS", "QK_SCOPES", "SpecError", "CheckpointMismatchError",
            "NormSpec", "QKNormSpec", "ProjectionBiases", "OtherNorm", "ModelNormSpec", "diff",
-           "from_hf_config", "build_model", "tiny_config", "read_config_json", "from_checkpoint",
+           "from_hf_config", "build_model", "tiny_config", "forced_flags", "read_config_json", "from_checkpoint",
            "bundled_configs", "load_bundled_config", "load", "COUNT_KEYS", "TEXTBOOK_KEYS",
            "count_parameters", "CASTING_FORMULAS", "card_rows", "card", "diff_table"]

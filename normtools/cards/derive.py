@@ -1,5 +1,5 @@
-"""Deriving a card from a transformers config: one rule per supported family, the transformers
-model of a config (:func:`build_model`) and tiny random-weight configs (:func:`tiny_config`)."""
+"""Deriving a card from a transformers config: one rule per supported family, and the transformers
+model of a config (:func:`build_model`)."""
 
 import contextlib
 
@@ -61,7 +61,7 @@ def from_hf_config(config) -> ModelNormSpec:
     An unknown ``model_type`` raises :class:`SpecError` naming the supported ones.
     """
     c, unconfirmed = _transformers_config(config)
-    family = _FAMILIES[c.model_type]
+    family = FAMILY_RULES[c.model_type]
     fields = family(c)
     return ModelNormSpec(
         model_type=c.model_type,
@@ -190,39 +190,8 @@ def _bert(c):
                 other_norms=(OtherNorm("embeddings.LayerNorm", False, c.hidden_size, norm),))
 
 
-_FAMILIES = {
+FAMILY_RULES = {
     "llama": _llama, "qwen3": _qwen3, "olmo2": _olmo2, "olmo3": _olmo2, "gemma2": _gemma2,
     "gemma3_text": _gemma3, "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "cohere": _cohere,
     "phi": _phi, "deepseek_v3": _deepseek_v3, "bert": _bert,
 }
-
-
-# --------------------------------------------------------------------------------------------
-# tiny configs (random-weight models for demos and tests; nothing is downloaded)
-# --------------------------------------------------------------------------------------------
-
-_TINY_COMMON = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64,
-                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
-_TINY_MOE = dict(num_local_experts=4, num_experts_per_tok=2)
-_TINY_EXTRA = {
-    "gemma2": dict(query_pre_attn_scalar=8, sliding_window=16),
-    "gemma3_text": dict(query_pre_attn_scalar=8, sliding_window=16),
-    "gpt_oss": dict(_TINY_MOE, sliding_window=16, max_position_embeddings=131072),
-    "minimax_m2": dict(_TINY_MOE),
-    "cohere": dict(use_qk_norm=True),
-    "phi": dict(qk_layernorm=True),
-    "deepseek_v3": dict(num_key_value_heads=4, head_dim=None, rms_norm_eps=1e-5, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4,
-                        qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
-                        n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16),
-    "bert": dict(num_key_value_heads=None, head_dim=None, type_vocab_size=2),
-}
-
-
-def tiny_config(model_type: str, **overrides) -> dict:
-    """A config.json dict of a tiny model (hidden 32, 2 layers, 4 heads) of a supported family."""
-    _check_supported(model_type)
-    if model_type == "gemma3":
-        model_type = "gemma3_text"
-    values = {**_TINY_COMMON, **_TINY_EXTRA.get(model_type, {}), **overrides}
-    return {"model_type": model_type, **{k: v for k, v in values.items() if v is not None}}

@@ -2,7 +2,6 @@
 norms, the whole card (:class:`ModelNormSpec`), its errors, and :func:`diff` of two cards."""
 
 import dataclasses
-import json
 from dataclasses import dataclass
 
 SUPPORTED_MODEL_TYPES = (
@@ -88,9 +87,6 @@ class ModelNormSpec:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-    def to_json(self, **kwargs) -> str:
-        return json.dumps(self.to_dict(), **kwargs)
 
     @classmethod
     def from_dict(cls, d: dict) -> "ModelNormSpec":

@@ -1,0 +1,211 @@
+"""The atlas row of a probed model (:func:`classify`): its layers read one by one
+(:mod:`~normtools.cards.atlas.layers`), then the card, one function per field: block norm and
+placement, QK-Norm (:mod:`~normtools.cards.atlas.qk`), final norm (the norm whose output is the
+LM head's input), other norms (latent norms, embedding norms, norms inside mixers), projection
+biases and attention sinks (from the parameters), and the default config's sizes."""
+
+import re
+
+from normtools.cards.atlas.layers import ATTN_NAME, read_layer
+from normtools.cards.atlas.norm import norm_spec
+from normtools.cards.atlas.probed import ProbedModel, ProbeError, config_attr, inside, one_line, same
+from normtools.cards.atlas.qk import qk_norms
+from normtools.cards.params import is_norm_module
+from normtools.cards.types import ModelNormSpec, OtherNorm, ProjectionBiases, QKNormSpec
+
+
+def classify(pm: ProbedModel) -> dict:
+    """``{"spec": ModelNormSpec dict, "probe": what was measured}`` of a probed model;
+    :class:`ProbeError` ("classify") when a layer never ran or layer 0 has no block norm."""
+    readings = [read_layer(pm, i) for i in range(len(pm.layers))]
+    placements = [r.placement for r in readings]
+    qk, qk_layer, qk_unprobed = qk_norms(pm, readings)
+    block = {n[len(f"{pm.prefix}.0") + 1:]: pm.norm_probe(n) for n in readings[0].block}
+    final = _final_norm_name(pm)
+    others = _probe_others(pm, _other_norm_names(pm, readings, qk_layer, qk_unprobed, final))
+    final_probe = pm.norm_probe(final) if final else None
+    if not block:
+        raise ProbeError("classify", "no block norm found in the first layer")
+    block_notes = _block_notes(block)
+    qk_spec, qk_notes = _qk_norm(qk)
+    biases, bias_notes = _biases(pm)
+    other, other_notes = _other_norms(pm, others)
+    spec = ModelNormSpec(
+        model_type=pm.text.model_type if pm.text.model_type else pm.model.config.model_type,
+        block_norm=norm_spec(next(iter(block.values()))),
+        placement=placements[0] if len(set(placements)) == 1 else "mixed", layer_norms=tuple(block),
+        final_norm=norm_spec(final_probe) if final_probe else None, qk_norm=qk_spec, biases=biases,
+        other_norms=other, attention_sinks=any("sink" in n for n, _ in pm.layers[0].named_parameters()),
+        **_default_sizes(pm.defaults),
+        notes=tuple(block_notes + qk_notes + bias_notes + other_notes) + (
+            "probed on a tiny random instance of the config class's defaults; shapes are the defaults",),
+    )
+    return {"spec": spec.to_dict(), "probe": {
+        "qk_norms": qk, "layer_placements": placements, "sublayer_placements": [r.sublayers for r in readings],
+        "block_norms": block, "final_norm": final_probe, "final_norm_name": final, "other_norms": others,
+        "has_rope": pm.has_rope, "qk_layer": qk_layer, "tiny_config": _tiny_summary(pm.text)}}
+
+
+def _block_notes(block: dict) -> list:
+    """Notes on layer 0's block norms (``{local name: probe}``): when they differ, or have no scale."""
+    notes = []
+    specs = {n: norm_spec(p) for n, p in block.items()}
+    if len(set(specs.values())) > 1:
+        notes.append("block norms differ: " + "; ".join(f"{n}: {s.kind}, eps {s.eps:g}, offset {s.offset:g}, "
+                                                        f"{s.casting}" for n, s in specs.items()))
+    if any(not p["affine"] for p in block.values()):
+        notes.append("block norms have no learned scale (y = x̂)")
+    return notes
+
+
+def _qk_norm(qk: dict) -> tuple:
+    """(QKNormSpec of the q norm, or of the one q/k norm; notes) from the q/k norm probes."""
+    if not qk:
+        return QKNormSpec(), []
+    q = next((v for v in qk.values() if v["which"] == "q"), next(iter(qk.values())))
+    scopes = {v["which"]: v["scope"] for v in qk.values()}
+    notes = [f"q and k norms differ in scope: {scopes}"] if len(set(scopes.values())) > 1 else []
+    return QKNormSpec(q["scope"], norm_spec(q["norm"]), q["before_rope"]), notes
+
+
+def _outside_norms(pm) -> list:
+    """The norms outside the decoder layers that ran."""
+    return [n for n in pm.norms if not inside(n, pm.prefix) and n in pm.calls]
+
+
+def _final_norm_name(pm):
+    """The norm outside the layers whose (last) output is the LM head's input; None without one."""
+    head_in = pm.calls.get("<lm_head>", [(None, None)])[0][0]
+    return next((n for n in _outside_norms(pm) if same(pm.calls[n][-1][1], head_in)), None)
+
+
+def _other_norm_names(pm, readings, qk_layer, qk_unprobed, final) -> list:
+    """Every norm neither block, QK nor final: each layer's other norms (a name within the layer
+    kept from its first layer), the q/k norms that could not be probed, the norms outside the
+    layers."""
+    names, seen_locals = [], set()
+    for i, reading in enumerate(readings):
+        layer = f"{pm.prefix}.{i}"
+        for n in reading.other:
+            if n[len(layer) + 1:] not in seen_locals:
+                seen_locals.add(n[len(layer) + 1:])
+                names.append(n)
+        if i == qk_layer:
+            names += qk_unprobed
+    return names + [n for n in _outside_norms(pm) if n != final]
+
+
+def _probe_others(pm, names) -> dict:
+    """{name: norm probe} of the other norms; a norm with extra inputs (a gated norm) is kept
+    with the reason it was not probed."""
+    probes = {}
+    for n in names:
+        try:
+            probes[n] = pm.norm_probe(n)
+        except Exception as e:  # noqa: BLE001 - a norm with extra inputs (gated norms) is reported
+            probes[n] = {"class": type(pm.norms[n]).__name__, "kind": "not probed", "error": one_line(e)}
+    return probes
+
+
+def _other_norms(pm, probes: dict) -> tuple:
+    """(OtherNorm tuple, notes) of the other norms' probes: per-layer norms by their name within
+    the layer, the others by their name in the base model; a norm that is not an RMSNorm or a
+    LayerNorm is a note."""
+    other, notes = [], []
+    base = getattr(pm.model, "base_model_prefix", "") + "."
+    for n, p in probes.items():
+        per_layer = n.startswith(pm.prefix + ".")
+        local = n[len(pm.prefix) + 1:].split(".", 1)[1] if per_layer else n.removeprefix(base)
+        if p.get("kind") not in ("rms", "layer"):
+            notes.append(f"{local if per_layer else n}: {p['class']} not probed "
+                         f"({p.get('error', p.get('kind'))})")
+            continue
+        if p["class"].endswith("NormGated"):
+            notes.append(f"{local if per_layer else n}: {p['class']} is gated (its input or "
+                         "output times silu(gate)); probed without a gate")
+        dim = p["weight_shape"][-1] if p["weight_shape"] else 0
+        other.append(OtherNorm(local, per_layer, _default_size(int(dim), pm.text, pm.defaults), norm_spec(p)))
+    return tuple(other), notes
+
+
+_BIAS_NAMES = (  # (regex on a Linear's local name in the attention module, projections it holds)
+    (r".*(qkv|c_attn|query_key_value|in_proj|wqkv).*", "qkv"),
+    (r"(kv_a_proj_with_mqa|kv_b_proj|kv_proj|wkv.*)", "kv"),
+    (r"(q_proj|query|query_proj|q|wq|q_a_proj|q_b_proj|q_lin)", "q"),
+    (r"(k_proj|key|key_proj|k|wk|k_lin)", "k"),
+    (r"(v_proj|value|value_proj|v|wv|v_lin)", "v"),
+    (r"(o_proj|dense|out_proj|c_proj|wo|o|out_lin|output|proj|out)", "o"),
+)
+
+
+def _biases(pm) -> tuple:
+    """(ProjectionBiases from the parameters of every layer with an attention or another token
+    mixer, a bias found in any of them; notes naming the attention linears with a bias that no
+    name rule maps). A hybrid's layers differ: Qwen3-Next's first layers are linear attention,
+    its fourth full attention."""
+    found = dict(q=False, k=False, v=False, o=False, mlp=False, router=False, experts=False)
+    unnamed = []
+    for layer in pm.layers:
+        mixers = [n for n, m in layer.named_children() if ATTN_NAME.match(n) and not is_norm_module(m)]
+        if not mixers:
+            continue
+        for name, module in layer.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if "bias" not in pname or is_norm_module(module):
+                    continue
+                fields = _bias_fields(name, module, pname, p, name.split(".")[0] in mixers)
+                if fields is None and name not in unnamed:
+                    unnamed.append(name)
+                for field in fields or ():
+                    found[field] = True
+    head = pm.model.get_output_embeddings()
+    lm_head = head is not None and getattr(head, "bias", None) is not None
+    notes = ["attention linears with a bias that no name rule maps: " + ", ".join(unnamed)] if unnamed else []
+    return ProjectionBiases(**found, lm_head=lm_head), notes
+
+
+def _bias_fields(name, module, pname, p, in_mixer):
+    """The ProjectionBiases fields that the bias ``pname`` of module ``name`` sets; None for a
+    linear of a token mixer that no name rule maps."""
+    import torch
+
+    local = name.rsplit(".", 1)[-1]
+    # a bias of one value per expert shifts the routing scores (AFMoE's expert_bias; DeepSeek-V3
+    # keeps its e_score_correction_bias as a buffer, not a parameter, so it is not counted): the
+    # router's, not the experts'
+    per_expert_score = p.dim() == 1 and "expert" in pname
+    if ("expert" in name or "expert" in pname) and not per_expert_score:
+        return ("experts",)
+    if re.fullmatch(r"(gate|router|wg|gating)", local) or "router" in pname or per_expert_score:
+        return ("router",)
+    if in_mixer and (isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) or type(module).__name__ == "Conv1D"):
+        # "qkv" sets q, k and v; "kv" k and v
+        return next((tuple(which) for pattern, which in _BIAS_NAMES if re.fullmatch(pattern, local)), None)
+    if not in_mixer and isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
+        return ("mlp",)
+    return ()
+
+
+def _default_sizes(defaults) -> dict:
+    """The card's sizes: those of the family's default config."""
+    num_heads = config_attr(defaults, "num_attention_heads", 0) or 0
+    hidden = config_attr(defaults, "hidden_size", None)
+    return dict(hidden_size=int(config_attr(defaults, "hidden_size", 0) or 0),
+                num_layers=int(config_attr(defaults, "num_hidden_layers", 0) or 0), num_heads=int(num_heads),
+                num_kv_heads=int(config_attr(defaults, "num_key_value_heads", None) or num_heads),
+                head_dim=int(config_attr(defaults, "head_dim", None)
+                             or (defaults.hidden_size // num_heads if num_heads and hidden else 0)))
+
+
+def _default_size(tiny: int, text, defaults) -> int:
+    """The default-config value of the config key whose tiny value is ``tiny`` (the probe's sizes
+    are distinct: hidden 64, latent ranks 40 and 24, ...); ``tiny`` itself when no key has it."""
+    keys = [k for k, v in text.to_dict().items() if v == tiny and not isinstance(v, bool)
+            and isinstance(config_attr(defaults, k), int)]
+    return int(config_attr(defaults, "hidden_size" if "hidden_size" in keys else keys[0])) if keys else tiny
+
+
+def _tiny_summary(text) -> dict:
+    """The tiny model's sizes (the probe's record)."""
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim")
+    return {k: config_attr(text, k, None) for k in keys if isinstance(config_attr(text, k, None), int)}

@@ -1,0 +1,149 @@
+"""One norm module, measured: its kind, eps, scale, bias and casting from its outputs
+(:func:`probe_norm`; the equations are in :mod:`normtools.cards.atlas`), and the card's
+:class:`NormSpec` of such a measurement (:func:`norm_spec`)."""
+
+import copy
+
+from normtools.cards.types import NormSpec, SpecError
+
+_EPS_ATTRS = ("variance_epsilon", "eps", "epsilon", "layer_norm_eps", "norm_eps")
+
+
+def _read_eps(module):
+    """The eps a norm module stores (None: it keeps it elsewhere, and it is measured)."""
+    for attr in _EPS_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def scale_param(module):
+    """(attribute name, parameter) of a norm's learned scale; (None, None) without one."""
+    for attr in ("weight", "scale", "gamma", "g"):
+        p = getattr(module, attr, None)
+        if p is not None and hasattr(p, "shape") and p.dtype.is_floating_point:
+            return attr, p
+    return None, None
+
+
+def _formula(kind, x, scale, bias, eps):
+    """float64 reference: RMSNorm or LayerNorm of x over its last dim with scale s and bias b."""
+    x = x.double()
+    if kind == "rms":
+        y = x * (x.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    else:
+        centered = x - x.mean(-1, keepdim=True)
+        y = centered * (centered.pow(2).mean(-1, keepdim=True) + eps).rsqrt()
+    y = y * scale.double()
+    return y if bias is None else y + bias.double()
+
+
+def probe_norm(module, input_shape, seed=0) -> dict:
+    """Kind, eps (read and measured), offset, affine, bias and casting of one norm module, from
+    its outputs on inputs of ``input_shape`` (see the module docstring)."""
+    import torch
+    import torch.nn.functional as F
+    from normtools.core.reference import layer_norm_reference, rms_norm_reference
+
+    gen = torch.Generator().manual_seed(seed)
+    m = copy.deepcopy(module).float().eval()
+    attr, weight = scale_param(m)
+    bias = getattr(m, "bias", None)
+    bias = bias if isinstance(bias, torch.nn.Parameter) else None
+    eps = _read_eps(m)
+    eps_fit = 1e-6 if eps is None else eps
+    x = torch.randn(input_shape, generator=gen) * 2 + 3  # rows with a mean
+    with torch.no_grad():
+        if weight is not None:
+            weight.copy_(0.5 + torch.rand(weight.shape, generator=gen))
+        if bias is not None:
+            bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
+        y = m(x).double()
+        ones = torch.ones(())
+        candidates = {}
+        for kind in ("rms", "layer"):
+            for offset in ((0.0, 1.0) if weight is not None else (0.0,)):
+                scale = ones if weight is None else offset + weight
+                try:
+                    err = (y - _formula(kind, x, scale, bias, eps_fit)).abs().max().item()
+                except RuntimeError:
+                    continue
+                candidates[(kind, offset)] = err / (y.abs().max().item() + 1e-30)
+        if not candidates:
+            raise SpecError(f"{type(module).__name__}: output does not broadcast like a norm of the last dim")
+        (kind, offset), rel_err = min(candidates.items(), key=lambda kv: kv[1])
+        if rel_err > 1e-3:
+            kind = "unknown"
+        # zero weight (and bias): a non-zero output means the scale is 1 + w
+        zero_weight_output = None
+        if weight is not None:
+            weight.zero_()
+            if bias is not None:
+                bias.zero_()
+            zero_weight_output = m(x).abs().max().item()
+        # eps measured on rows whose mean square is about eps, with scale s = 1 and no bias
+        eps_measured = None
+        if kind in ("rms", "layer"):
+            if weight is not None:
+                weight.fill_(1.0 - offset)
+            small = torch.randn(input_shape, generator=gen, dtype=torch.float64)
+            small = small / small.pow(2).mean(-1, keepdim=True).sqrt() * eps_fit ** 0.5
+            ys = _run_in(m, small)
+            xs = small if kind == "rms" else small - small.mean(-1, keepdim=True)
+            ms = xs.pow(2).mean(-1, keepdim=True)
+            ratio = (xs / ys).pow(2) - ms
+            eps_measured = float(ratio[xs.abs() > 0.5 * eps_fit ** 0.5].median())
+        casting = _probe_casting(module, kind, offset, eps_fit, input_shape, gen,
+                                 rms_norm_reference, layer_norm_reference, F)
+    return {
+        "class": type(module).__name__, "kind": kind, "eps": eps, "eps_measured": eps_measured,
+        "offset": offset, "affine": weight is not None, "bias": bias is not None,
+        "casting": casting, "weight_shape": list(weight.shape) if weight is not None else None,
+        "scale_attr": attr, "zero_weight_output_max": zero_weight_output, "fit_rel_error": rel_err,
+    }
+
+
+def _run_in(module, x):
+    """module(x) in float64 when the module allows it, else in float32; returned as float64."""
+    try:
+        return copy.deepcopy(module).double()(x).double()
+    except RuntimeError:
+        return module(x.float()).double()
+
+
+def _probe_casting(module, kind, offset, eps, input_shape, gen, rms_ref, ln_ref, F):
+    """The casting convention that reproduces the module's bf16 output bit for bit ("other": none)."""
+    import torch
+
+    if kind not in ("rms", "layer"):
+        return "other"
+    m = copy.deepcopy(module).to(torch.bfloat16).eval()
+    _, weight = scale_param(m)
+    bias = getattr(m, "bias", None)
+    bias = bias if isinstance(bias, torch.nn.Parameter) else None
+    x = (torch.randn(input_shape, generator=gen) * 2 + 1).to(torch.bfloat16)
+    if weight is not None:
+        weight.copy_((torch.randn(weight.shape, generator=gen) * 0.5 + (0.0 if offset else 1.0)).to(torch.bfloat16))
+    if bias is not None:
+        bias.copy_((0.1 * torch.randn(bias.shape, generator=gen)).to(torch.bfloat16))
+    y = m(x)
+    if kind == "rms":
+        refs = {c: rms_ref(x, weight, eps=eps, offset=offset, casting=c) for c in ("llama", "gemma")}
+    else:
+        w = weight if weight is not None else None
+        refs = {"torch": F.layer_norm(x, x.shape[-1:], w.reshape(-1) if w is not None else None,
+                                      bias.reshape(-1) if bias is not None else None, eps),
+                "gemma": ln_ref(x, w, bias, eps=eps)}
+    matches = [c for c, ref in refs.items() if ref.dtype == y.dtype and torch.equal(ref, y)]
+    if len(matches) == 1:
+        return matches[0]
+    if matches:  # indistinguishable on this input: the module's own class decides
+        return "torch" if isinstance(module, torch.nn.LayerNorm) and "torch" in matches else matches[-1]
+    return "other"
+
+
+def norm_spec(p) -> NormSpec:
+    """NormSpec of a probed norm; an eps the module does not expose is the measured one (3 digits)."""
+    eps = p["eps"] if p["eps"] is not None else float(f"{p['eps_measured'] or 0.0:.3g}")
+    return NormSpec(p["kind"], float(eps), bool(p["bias"]), float(p["offset"]), p["casting"])
