@@ -114,7 +114,7 @@ else
 fi
 
 INFO="$(py -c 'import normtools, normtools._kernels, torch
-from normtools.measure import sysinfo
+from normtools.core import sysinfo
 cuda = torch.cuda.is_available()
 print("normtools from", normtools.__file__, "| commit", sysinfo.source_commit())
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device",

@@ -481,7 +481,7 @@ def test_estimate_and_plan_rows_follow_the_budget():
 
 
 def test_commit_from_the_environment(monkeypatch):
-    from normtools.measure import sysinfo
+    from normtools.core import sysinfo
 
     monkeypatch.setenv("NORMTOOLS_COMMIT", "0123abc")
     assert sysinfo.run_conditions("cpu")["normtools_commit"] == "0123abc"

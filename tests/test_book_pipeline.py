@@ -215,7 +215,7 @@ def test_environment_versions_report_the_installed_packages():
     import transformers
     import triton
 
-    from normtools.book.notebook import environment_versions
+    from normtools.core.sysinfo import environment_versions
 
     versions = environment_versions()
     assert versions["python"] == ".".join(map(str, sys.version_info[:3]))

@@ -5,15 +5,13 @@ A chapter calls :func:`setup` once, after its ``parameters`` cell::
     device = normtools.book.notebook.setup(seed=0, threads=2)
 
 and publishes numbers for its prose with :func:`glue_number`, so that no figure in the text is
-typed by hand. Its conditions cell shows :func:`environment_versions`.
+typed by hand. Its conditions cell shows :func:`normtools.core.sysinfo.environment_versions`.
 
 The environment variable ``NORMBOOK_THREADS`` overrides every chapter's ``threads`` parameter
 (CI reruns nbval with ``NORMBOOK_THREADS=1`` to check that the stored outputs do not depend on it).
 """
 
-import importlib.metadata
 import os
-import platform
 import random
 import warnings
 
@@ -66,25 +64,6 @@ def glue_number(name: str, value: float, fmt: str = "{:.3g}") -> str:
     text = fmt.format(value)
     glue(name, text, display=False)
     return text
-
-
-#: The packages whose versions a chapter's conditions cell reports (the lock pins them all).
-REPORTED_PACKAGES = ("torch", "triton", "transformers", "numpy", "pandas", "matplotlib")
-
-
-def environment_versions(packages: tuple[str, ...] = REPORTED_PACKAGES) -> dict[str, str]:
-    """Installed versions of ``packages`` plus ``python``, e.g. ``{"python": "3.11.7", "torch": ...}``.
-
-    Read from the installed distributions' metadata (nothing is imported); a package that is not
-    installed is reported as ``"not installed"``.
-    """
-    versions = {"python": platform.python_version()}
-    for name in packages:
-        try:
-            versions[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            versions[name] = "not installed"
-    return versions
 
 
 class FullTable:

@@ -7,5 +7,6 @@ kernels of ``kernels/``: ``_validate``; ``launcher`` (the plan for the tensors, 
 for their device); ``launch_plans`` (the CUDA launch table, written out row by row);
 ``launch_hooks`` (the extension point of measurement: plans of a GPU on CPU, recorded launches,
 an observer of interpreted launches); ``_triton_interpreter`` (Triton's private API, in one
-file). Imports nothing above itself.
+file). Also ``sysinfo``: what a run ran on (machine, accelerator, versions), which the lab, the
+measurements and the book all record. Imports nothing above itself.
 """

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import platform
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from normtools.core import sysinfo
 from normtools.lab import grid
 from normtools.lab.data import CORPUS_SHA256, load_corpus
 from normtools.lab.designs import DESIGNS, TRAINED_DESIGNS
@@ -151,16 +150,6 @@ def run_records(study: Study, cells: list[dict], data, size: str, device="cpu") 
     return records
 
 
-def _machine() -> dict:
-    """The versions and the machine a study ran on (normtools.lab must not import measure)."""
-    from importlib.metadata import version
-
-    return {"torch": torch.__version__, "numpy": np.__version__, "normtools": version("normtools"),
-            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
-            "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
-
-
 def run_study(name: str, size: str = "cpu", seeds=None, device="cpu") -> dict:
     """Train study ``name`` at ``size`` (``seeds`` overrides the study's) and return its JSON
     document: ``study``, ``question``, ``size``, ``conditions`` and ``runs``."""
@@ -182,7 +171,7 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu") -> dict:
                          "warm-up 10 % of the steps, cosine to 0.1·lr",
             "spike_score": {"window": study.spike_window, "k": study.spike_k, "unit": "percent"},
             "corpus_sha256": CORPUS_SHA256,
-            "device": str(device), "machine": _machine(),
+            "device": str(device), "machine": sysinfo.study_machine(),
             "wall_seconds": round(time.perf_counter() - start),
             "command": f"normtools lab run {study.name} --size {size}",
         },

@@ -1,4 +1,5 @@
-"""Measurement: numerical parity between backends and against transformers (``parity``), the
-benchmark harness (``bench``) and the run conditions every measurement records (``sysinfo``).
+"""Measurement: numerical parity between backends and against transformers (``parity``) and the
+benchmark harness (``bench``); the run conditions every measurement records come from
+``normtools.core.sysinfo``.
 Built on the library (``normtools.core``) and the model cards (``normtools.cards``).
 """

@@ -31,20 +31,14 @@ from pathlib import Path
 
 import torch
 
+from normtools.core import sysinfo
 from normtools.core.precision import compute_dtype
-from normtools.measure import parity, sysinfo
+from normtools.measure import parity
 from normtools.measure.bench.timing import summarize
 
-__all__ = ["full_width_config", "tiny_model_config", "model_step_times", "speedups", "main"]
+__all__ = ["full_width_config", "model_step_times", "speedups", "main"]
 
 MODES = ("forward", "forward+backward")
-
-
-def tiny_model_config(family="qwen3"):
-    """The tiny config of ``family`` (``normtools.cards.tiny_config``) as a config.json dict."""
-    from normtools import cards
-
-    return cards.tiny_config(family)
 
 
 def full_width_config(name="qwen3-8b", layers=4):
@@ -178,7 +172,9 @@ def main(argv=None):
         config, label = full_width_config(args.config, args.layers), \
             f"{args.config}, first {args.layers} layers"
     else:
-        config, label = tiny_model_config(args.family), f"tiny {args.family}"
+        from normtools import cards
+
+        config, label = cards.tiny_config(args.family), f"tiny {args.family}"
     result = model_step_times(
         config, backend=args.backend, device=device, label=label,
         batch=args.batch or (4 if cuda else 2), seq=args.seq or (2048 if cuda else 64),

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from normtools.measure import sysinfo
+from normtools.core import sysinfo
 from normtools.measure.bench.backends import Unavailable, backend_fn, default_backends
 from normtools.measure.bench.cases import Case, estimate_seconds
 from normtools.measure.bench.peers import Peers
@@ -14,7 +14,7 @@ from normtools.measure.bench.shapes import _DTYPES, BACKENDS, OPS, default_shape
 from normtools.measure.bench.results import _write_json
 from normtools.measure.bench.timing import (_DEFAULT_REPS, _QUICK_REPS, TIMERS, _cache_bytes, _max_abs_diff,
                                             copy_bandwidth, input_sets, rotating_calls, summarize, time_calls)
-from normtools.measure.op_costs import bytes_moved
+from normtools.measure.bench.minimum_bytes import bytes_moved
 
 
 def _skip_or_error(backend, exc):

@@ -8,7 +8,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from normtools.measure import sysinfo
+from normtools.core import sysinfo
 from normtools.measure.bench.shapes import make_inputs
 
 _MIN_SAMPLE_US = 20.0        # CUDA: a sample groups calls until it lasts about this long

@@ -1,8 +1,18 @@
-"""Run conditions of a measurement: the machine, the accelerator and the software versions.
+"""What a run ran on: the machine, the accelerator and the software versions.
 
-``run_conditions()`` returns a flat, JSON-ready dict that is stored next to every benchmark
-result, so that a number can always be traced back to the device, driver and library versions
-that produced it. Nothing here raises: a fact that cannot be read is recorded as ``None``.
+Every record of the conditions of a run comes from here, in the lowest layer that reports
+them, so that the lab, the measurements and the book all read them the same way:
+
+* ``run_conditions()`` — a flat, JSON-ready dict stored next to every benchmark result, so that
+  a number can always be traced back to the device, driver and library versions that produced
+  it (``normtools.measure``);
+* ``study_machine()`` — the short record a committed study of the stability lab keeps
+  (``normtools.lab.studies``);
+* ``environment_versions()`` — the versions a chapter's conditions cell shows
+  (``normtools.book``).
+
+Nothing here raises: a fact that cannot be read is recorded as ``None`` (or, in
+``environment_versions``, as ``"not installed"``).
 """
 
 import datetime
@@ -15,9 +25,12 @@ from importlib import metadata
 import torch
 
 __all__ = ["package_versions", "cpu_model", "cuda_device", "nvidia_driver_version",
-           "cpu_cache_bytes", "source_commit", "run_conditions"]
+           "cpu_cache_bytes", "source_commit", "run_conditions", "study_machine",
+           "environment_versions", "REPORTED_PACKAGES"]
 
 _PACKAGES = ("normtools", "torch", "triton", "transformers", "liger-kernel", "numpy")
+#: The packages whose versions a chapter's conditions cell reports (the lock pins them all).
+REPORTED_PACKAGES = ("torch", "triton", "transformers", "numpy", "pandas", "matplotlib")
 
 
 def package_versions(names=_PACKAGES):
@@ -141,3 +154,24 @@ def run_conditions(device="cpu"):
         "gpu": cuda_device() if is_cuda else None,
         "triton_interpret": os.environ.get("TRITON_INTERPRET") == "1",
     }
+
+
+def study_machine():
+    """The machine a committed study of the stability lab ran on: the torch, numpy and normtools
+    versions, python, the CPU architecture (``platform.processor()``, else
+    ``platform.machine()``), logical CPUs, torch intra-op threads and ATen's CPU capability."""
+    return {**package_versions(("torch", "numpy", "normtools")),
+            "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
+            "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+
+
+def environment_versions(packages=REPORTED_PACKAGES):
+    """Installed versions of ``packages`` plus ``python``, e.g. ``{"python": "3.11.7", "torch": ...}``.
+
+    Read from the installed distributions' metadata (:func:`package_versions`: nothing is
+    imported); a package that is not installed is reported as ``"not installed"``.
+    """
+    versions = package_versions(packages)
+    return {"python": platform.python_version(),
+            **{name: "not installed" if v is None else v for name, v in versions.items()}}
