@@ -30,11 +30,11 @@ _PUBLIC = {
 #   lab      toy Transformer, depth probes, training, experiment grids
 #   measure  parity and benchmarks
 #   book     the book's own helpers
-_SUBMODULES = {"core", "cards", "lab", "measure", "book", "cli"}
-# normtools.tp is public (per-layer QK-Norm under tensor parallelism); it lives in the library.
-_ALIASES = {"tp": "normtools.core.tp"}
+# and normtools.tp, the public name of normtools.core.tp (per-layer QK-Norm under tensor
+# parallelism), which imports the library only.
+_SUBMODULES = {"core", "cards", "lab", "measure", "book", "cli", "tp"}
 
-__all__ = sorted(_PUBLIC) + sorted(_SUBMODULES) + sorted(_ALIASES)
+__all__ = sorted(_PUBLIC) + sorted(_SUBMODULES)
 
 
 def __getattr__(name):
@@ -42,8 +42,6 @@ def __getattr__(name):
         value = getattr(import_module(_PUBLIC[name]), name)
     elif name in _SUBMODULES:
         value = import_module(f"normtools.{name}")
-    elif name in _ALIASES:
-        value = import_module(_ALIASES[name])
     else:
         raise AttributeError(f"module 'normtools' has no attribute {name!r}")
     globals()[name] = value

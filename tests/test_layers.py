@@ -15,7 +15,7 @@ import pytest
 import normtools
 
 PACKAGE = Path(normtools.__file__).parent
-RANK = {"_kernels": 0, "core": 1, "cards": 2, "lab": 3, "measure": 3, "book": 4, "cli": 5, "__main__": 6}
+RANK = {"_kernels": 0, "core": 1, "tp": 2, "cards": 2, "lab": 3, "measure": 3, "book": 4, "cli": 5, "__main__": 6}
 
 
 def _layer(module: str) -> str:

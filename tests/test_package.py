@@ -1,7 +1,9 @@
 """The package surface: every advertised public name resolves, and `import normtools` stays light."""
 
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import normtools
 
@@ -25,3 +27,44 @@ def test_import_does_not_pull_transformers_or_triton():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
 
+
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def _readme_python_blocks():
+    return re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def _readme_dotted_names():
+    """Every ``normtools.x.y`` the README names (the underscore package of kernels left out)."""
+    names = set(re.findall(r"\bnormtools(?:\.[A-Za-z]\w*)+", README.read_text()))
+    return sorted(name for name in names if "._" not in name)
+
+
+def test_readme_names_import_as_a_user_writes_them():
+    """In a fresh interpreter, each public name the README shows resolves as a user writes it:
+    a module with ``import normtools.tp`` (so ``from normtools.tp import qk_norm`` works too),
+    anything else with ``from normtools.lab.tinylm import TinyLM``, ``normtools.rms_norm``."""
+    names = _readme_dotted_names()
+    assert {"normtools.tp", "normtools.tp.qk_norm", "normtools.rms_norm"} <= set(names)
+    lines = ["import inspect", "import normtools"]
+    for name in names:
+        parent, _, last = name.rpartition(".")
+        lines.append(f"try:\n    import {name}\nexcept ModuleNotFoundError as error:\n"
+                     f"    assert error.name == {name!r}, error\n"
+                     f"    from {parent} import {last}\n"
+                     f"    assert not inspect.ismodule({last}), '{name}: import fails'\n"
+                     f"assert {name} is not None")
+    result = subprocess.run([sys.executable, "-c", "\n".join(lines)], capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_readme_code_runs():
+    """The README's Python example runs as printed (on CPU: the reference backend)."""
+    blocks = _readme_python_blocks()
+    assert blocks, "the README has no Python example"
+    for block in blocks:
+        result = subprocess.run([sys.executable, "-c", block], capture_output=True, text=True)
+        assert result.returncode == 0, result.stderr
