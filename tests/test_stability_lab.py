@@ -242,5 +242,7 @@ def test_power_law_exponent():
     x = np.array([6, 12, 24, 48])
     assert probes.power_law_exponent(x, 3 * x ** 0.5) == pytest.approx(0.5)
     assert probes.power_law_exponent(x, 2 * x ** -1.0) == pytest.approx(-1.0)
-    with pytest.raises(ValueError):
-        probes.power_law_exponent([1], [1])
+    assert probes.power_law_exponent([2, 4, 8, 16], [2, 4, 8, 16]) == pytest.approx(1.0)
+    for x, y in (([1], [1]), ([4, 4], [1.0, 2.0]), ([1, 2], [1.0, -1.0]), ([1, 2, 3], [1.0, 2.0])):
+        with pytest.raises(ValueError, match="two different x"):
+            probes.power_law_exponent(x, y)

@@ -384,8 +384,14 @@ def init_gradients(batch, placements=("post", "pre"), depths=(6,), seeds=(0, 1, 
 
 
 def power_law_exponent(x, y) -> float:
-    """The exponent a of the least-squares fit log y = a · log x + b."""
+    """The exponent a of y ∝ x^a (a = 1: linear growth, a = 1/2: √x; e.g. the residual RMS
+    against the depth): the slope of the least-squares line log y = a · log x + b, in float64,
+
+        a = Σ (u − ū)(v − v̄) / Σ (u − ū)²,    u = log x, v = log y.
+    """
     x, y = np.asarray(x, dtype=np.float64), np.asarray(y, dtype=np.float64)
-    if x.shape != y.shape or x.size < 2 or (x <= 0).any() or (y <= 0).any():
-        raise ValueError("need at least two positive (x, y) pairs of the same shape")
-    return float(np.polyfit(np.log(x), np.log(y), 1)[0])
+    if x.shape != y.shape or (x <= 0).any() or (y <= 0).any() or np.unique(x).size < 2:
+        raise ValueError("need positive (x, y) pairs of the same shape, at two different x at least")
+    u, v = np.log(x), np.log(y)
+    u, v = u - u.mean(), v - v.mean()
+    return float((u * v).sum() / (u * u).sum())
