@@ -1,4 +1,7 @@
-"""normtools.book.analysis: RMSNorm vs LayerNorm gaps, cost counts, the amplifier chain, equations from specs."""
+"""The computations behind chapters 1 and 2: RMSNorm vs LayerNorm gaps (measure.rms_vs_layer_norm),
+cost counts (measure.op_costs), the amplifier chain (lab.amplifier_chain), equations from specs
+(lab.tinylm_from_spec), QK-Norm footprints (book.qk_norm_scopes),
+residual growth (lab.probes)."""
 
 import math
 
@@ -7,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import normtools
-from normtools.book import analysis
-from normtools.measure import bench
+from normtools.book import qk_norm_scopes
+from normtools.lab import amplifier_chain, probes, tinylm_from_spec
+from normtools.measure import bench, op_costs, rms_vs_layer_norm
 from normtools import cards
 from normtools.lab.tinylm import TinyLM, block_equation
 
@@ -18,7 +22,7 @@ from normtools.lab.tinylm import TinyLM, block_equation
 def test_rms_equals_layer_norm_on_zero_mean_rows():
     x = torch.randn(16, 64, dtype=torch.float64)
     x = (x - x.mean(-1, keepdim=True)).float()
-    gap = analysis.rms_layer_gap(x)
+    gap = rms_vs_layer_norm.rms_layer_gap(x)
     assert gap["rel_gap"].max() < 1e-5
     assert gap["mean_to_std"].max() < 1e-5
 
@@ -27,7 +31,7 @@ def test_rms_layer_gap_against_torch_and_theory():
     g = torch.Generator().manual_seed(0)
     shift = torch.linspace(-3, 3, 32)[:, None]
     x = torch.randn(32, 256, generator=g) * 2.0 + shift
-    gap = analysis.rms_layer_gap(x, eps=1e-6)
+    gap = rms_vs_layer_norm.rms_layer_gap(x, eps=1e-6)
     # independent: PyTorch's own ops, float64
     x64 = x.double()
     rms_out = F.rms_norm(x64, (256,), eps=1e-6)
@@ -36,13 +40,13 @@ def test_rms_layer_gap_against_torch_and_theory():
     torch.testing.assert_close(gap["rel_gap"].double(), expected, rtol=1e-4, atol=1e-6)
     rho = x64.mean(-1).abs() / x64.std(-1, unbiased=False)
     torch.testing.assert_close(gap["mean_to_std"].double(), rho, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(analysis.rms_layer_gap_theory(rho), expected, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(rms_vs_layer_norm.rms_layer_gap_theory(rho), expected, rtol=1e-4, atol=1e-6)
 
 
 def test_norm_inputs_sees_what_the_norms_receive():
-    model = analysis.tiny_hf_model("llama")
+    model = cards.build_model(cards.tiny_config("llama")).eval()
     ids = torch.randint(0, 64, (2, 8))
-    inputs = analysis.norm_inputs(model, lambda: model(ids))
+    inputs = rms_vs_layer_norm.norm_inputs(model, lambda: model(ids))
     names = {f"model.layers.{i}.{n}" for i in range(2) for n in ("input_layernorm", "post_attention_layernorm")}
     assert set(inputs) == names | {"model.norm"}
     embedded = model.model.embed_tokens(ids).detach().reshape(-1, 32)
@@ -53,19 +57,19 @@ def test_norm_inputs_sees_what_the_norms_receive():
 
 def test_count_flops_on_known_expressions():
     a, b = torch.randn(3, 100), torch.randn(3, 100)
-    out, flops = analysis.count_flops(lambda u, v: (u * v).sum(-1), a, b)
+    out, flops = op_costs.count_flops(lambda u, v: (u * v).sum(-1), a, b)
     assert flops == 2 * 300
     torch.testing.assert_close(out, (a * b).sum(-1))
-    _, flops = analysis.count_flops(lambda u: u.double().view(300).float(), a)
+    _, flops = op_costs.count_flops(lambda u: u.double().view(300).float(), a)
     assert flops == 0
     with pytest.raises(NotImplementedError):
-        analysis.count_flops(torch.exp, a)
+        op_costs.count_flops(torch.exp, a)
 
 
 @pytest.mark.parametrize("n", [64, 4096])
 def test_row_costs_against_the_equations(n):
     rows = 256
-    costs = {(c["op"], c["direction"]): c for c in analysis.row_costs(n, torch.bfloat16, rows=rows)}
+    costs = {(c["op"], c["direction"]): c for c in op_costs.row_costs(n, torch.bfloat16, rows=rows)}
     # Operations of the reference code, counted by hand from normtools/reference.py:
     # RMSNorm fwd: x², mean, +eps, rsqrt, x·r, offset + w (once per call), ·scale
     # RMSNorm bwd: x·r, offset + w (once), ·dy, x̂·g, mean, x̂·c, g − ·, r·(…), dy·x̂, Σ_rows
@@ -95,23 +99,23 @@ def test_signal_through_scaled_identity_stages():
     x = torch.randn(32)
     gain, depth = 1.1, 20
     stages = torch.eye(32).expand(depth, 32, 32) * gain
-    levels = analysis.signal_through_stages(x, stages)
+    levels = amplifier_chain.signal_through_stages(x, stages)
     rms0 = x.double().pow(2).mean().sqrt().item()
     expected = torch.tensor([rms0 * gain**k for k in range(depth + 1)], dtype=torch.float64)
     torch.testing.assert_close(levels.double(), expected, rtol=1e-5, atol=0)
-    levelled = analysis.signal_through_stages(x, stages, level=normtools.rms_norm)
+    levelled = amplifier_chain.signal_through_stages(x, stages, level=normtools.rms_norm)
     torch.testing.assert_close(levelled[1:].double(), torch.ones(depth, dtype=torch.float64), rtol=1e-5, atol=0)
 
 
 def test_random_amplifiers_gain_and_errors():
     g = torch.Generator().manual_seed(0)
-    amps = analysis.random_amplifiers(4, 256, 1.5, g)
+    amps = amplifier_chain.random_amplifiers(4, 256, 1.5, g)
     assert amps.shape == (4, 256, 256)
     assert amps.std().item() == pytest.approx(1.5 / math.sqrt(256), rel=0.02)
     with pytest.raises(ValueError):
-        analysis.random_amplifiers(0, 8, 1.0)
+        amplifier_chain.random_amplifiers(0, 8, 1.0)
     with pytest.raises(ValueError):
-        analysis.signal_through_stages(torch.randn(8), torch.randn(3, 4, 4))
+        amplifier_chain.signal_through_stages(torch.randn(8), torch.randn(3, 4, 4))
 
 
 # ------------------------------------------------------------------ equations from norm cards
@@ -151,10 +155,10 @@ def test_norm_legend_matches_what_the_hf_modules_compute(model_type):
     """Each symbol of the block equation sits where the equation says, in the real HF module."""
     torch.manual_seed(0)
     s = cards.from_hf_config(cards.tiny_config(model_type))
-    model = analysis.tiny_hf_model(model_type)
+    model = cards.build_model(cards.tiny_config(model_type)).eval()
     seen = _record_layer0(model, torch.randint(3, 64, (1, 6)))
-    legend = analysis.norm_legend(s)
-    equation = analysis.block_equation_from_spec(s, "text")
+    legend = tinylm_from_spec.norm_legend(s)
+    equation = tinylm_from_spec.block_equation_from_spec(s, "text")
     for symbol, module in legend:
         assert symbol + "(" in equation
         where = symbol.removeprefix("N_")
@@ -173,47 +177,21 @@ def test_norm_legend_matches_what_the_hf_modules_compute(model_type):
 @pytest.mark.parametrize("name", cards.bundled_configs())
 def test_tinylm_config_from_spec_builds_the_same_layout(name):
     s, _ = cards.load(name)
-    config = analysis.tinylm_config_from_spec(s, width=32, depth=1, heads=2)
+    config = tinylm_from_spec.tinylm_config_from_spec(s, width=32, depth=1, heads=2)
     model = TinyLM(config)
     assert len(model.layers[0].norms) == len(s.layer_norms)
     assert (model.layers[0].self_attn.qk_norm is None) == (s.qk_norm.scope == "none")
-    assert block_equation(config, "latex") == analysis.block_equation_from_spec(s, "latex")
-
-
-# ------------------------------------------------------------------ published defaults of families
-
-@pytest.mark.parametrize("model_type, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm")])
-def test_family_default_config_has_the_published_qk_norm_setting(model_type, flag):
-    """The tiny configs force QK-Norm on; the family row must show the config class's default,
-    checked against the modules transformers builds from it."""
-    import transformers
-
-    default = getattr(transformers.AutoConfig.for_model(model_type), flag)
-    assert analysis.forced_flags(model_type) == {flag: (True, default)}
-    config = analysis.family_default_config(model_type)
-    assert config[flag] is default is False
-    model = cards.build_model(config)
-    qk_modules = [n for n, _ in model.named_modules() if n.endswith(("q_norm", "q_layernorm"))]
-    assert qk_modules == []
-    assert cards.from_hf_config(config).qk_norm.scope == "none"
-    forced = cards.build_model(cards.tiny_config(model_type))  # the variant does have them
-    assert any(n.endswith(("q_norm", "q_layernorm")) for n, _ in forced.named_modules())
-
-
-def test_families_without_forced_flags_are_unchanged():
-    for model_type in ("llama", "gemma2", "bert"):
-        assert analysis.forced_flags(model_type) == {}
-        assert analysis.family_default_config(model_type) == cards.tiny_config(model_type)
+    assert block_equation(config, "latex") == tinylm_from_spec.block_equation_from_spec(s, "latex")
 
 
 # ------------------------------------------------------------------ QK-Norm footprints
 
 def test_statistic_footprint_per_head_and_per_layer():
-    per_head = analysis.statistic_footprint("per_head", 3, 4, 8, at=(1, 2, 5))
+    per_head = qk_norm_scopes.statistic_footprint("per_head", 3, 4, 8, at=(1, 2, 5))
     expected = torch.zeros(3, 4, 8, dtype=torch.bool)
     expected[1, 2, :] = True
     assert torch.equal(per_head, expected)
-    per_layer = analysis.statistic_footprint("per_layer", 3, 4, 8, at=(2, 0, 0))
+    per_layer = qk_norm_scopes.statistic_footprint("per_layer", 3, 4, 8, at=(2, 0, 0))
     expected = torch.zeros(3, 4, 8, dtype=torch.bool)
     expected[2] = True
     assert torch.equal(per_layer, expected)
@@ -221,18 +199,10 @@ def test_statistic_footprint_per_head_and_per_layer():
 
 # ------------------------------------------------------------------ residual growth
 
-def test_growth_exponent_recovers_known_powers():
-    depths = [2, 4, 8, 16]
-    assert analysis.growth_exponent(depths, [d for d in depths]) == pytest.approx(1.0)
-    assert analysis.growth_exponent(depths, [3 * d**0.5 for d in depths]) == pytest.approx(0.5)
-    with pytest.raises(ValueError, match="two different depths"):
-        analysis.growth_exponent([4, 4], [1.0, 2.0])
-
-
 def test_residual_growth_reads_the_stream_after_the_last_block():
     torch.manual_seed(0)
     ids = torch.randint(0, 256, (2, 9))
-    df = analysis.residual_growth(ids, depths=(1, 3), seeds=(0,), width=32, heads=2, max_seq_len=8)
+    df = probes.residual_growth(ids, depths=(1, 3), seeds=(0,), width=32, heads=2, max_seq_len=8)
     assert list(df["depth"]) == [1, 3]
     # independent computation: the model's own hidden state after the last block
     for row in df.itertuples():
@@ -255,7 +225,7 @@ def test_plot_profile_rows_stacks_one_panel_per_metric_with_one_legend():
 
     df = pd.DataFrame({"layer": [0, 1, 0, 1], "placement": ["pre", "pre", "post", "post"],
                        "residual_rms": [1.0, 2.0, 1.0, 1.0], "grad_norm": [0.5, 0.4, 0.3, 0.2]})
-    fig = analysis.plot_profile_rows(df, ("residual_rms", "grad_norm"), by="placement", title="t")
+    fig = probes.plot_profile_rows(df, ("residual_rms", "grad_norm"), by="placement", title="t")
     axes = fig.get_axes()
     assert len(axes) == 2 and all(a.get_legend() is None for a in axes)
     assert axes[0].get_position().y0 > axes[1].get_position().y1  # stacked, not side by side

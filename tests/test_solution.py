@@ -5,7 +5,9 @@ import torch
 from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-from normtools.book.solution import convert_scale, head_rms, naive_tp_qk_norm
+from normtools.book.qk_norm_scopes import head_rms
+from normtools.book.scale_offset import convert_scale
+from normtools.book.sharded_qk_norm import naive_tp_qk_norm
 
 
 def _norms(dim, w_gemma, w_llama, eps=1e-6):

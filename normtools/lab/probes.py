@@ -30,6 +30,9 @@ Two more probes for the stability chapter: :func:`low_precision_attention` (what
 attention logits to bfloat16 does to the softmax) and :func:`init_gradients` (Xiong et al.
 2020's measurement: at initialization, the gradient norm of each layer's FFN output matrix and
 the RMS of the residual stream, Post-LN against Pre-LN, over depths and seeds).
+:func:`residual_growth` reads the residual stream's RMS after the first and the last block of
+fresh TinyLMs over depths and seeds (chapter 2), and :func:`plot_profile_rows` stacks a depth
+profile's panels for a phone.
 """
 
 from __future__ import annotations
@@ -263,6 +266,23 @@ def profile_placements(batch, placements=PLACEMENT_NAMES, seed: int = 0, **confi
     return pd.concat(frames, ignore_index=True)
 
 
+def residual_growth(batch, depths, seeds=(0, 1, 2), placement: str = "pre", **config) -> "pandas.DataFrame":
+    """One row per (depth, seed): the RMS of the residual stream after the first and after the
+    last block of a freshly initialized TinyLM (``placement``, TinyLM keyword ``config``) on
+    ``batch``, from :func:`depth_profile`."""
+    import pandas as pd
+
+    rows = []
+    for depth in depths:
+        for seed in seeds:
+            torch.manual_seed(seed)
+            profile = depth_profile(TinyLM(placement=placement, depth=depth, **config), batch)
+            rows.append({"depth": depth, "seed": seed, "placement": placement,
+                         "residual_rms_first": profile["residual_rms"].iloc[0],
+                         "residual_rms_last": profile["residual_rms"].iloc[-1]})
+    return pd.DataFrame(rows)
+
+
 METRIC_LABELS = {
     "residual_rms": "RMS of the residual stream",
     "attn_out_rms": "RMS of the attention output",
@@ -296,6 +316,28 @@ def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement"
         if by in df.columns:
             axis.legend(title=by, fontsize="small")
     fig.tight_layout()
+    return fig
+
+
+def plot_profile_rows(df, metrics, by: str, title: str, width: float = 4.5):
+    """:func:`plot_depth_profile` laid out for a phone: one panel per metric, stacked, log
+    scale, one shared legend under the panels instead of one over each. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(width, 2.4 * len(metrics) + 1.2),
+                             sharex=True)
+    plot_depth_profile(df, metrics=metrics, by=by, ax=list(axes), logy=True)
+    handles, labels = axes[0].get_legend_handles_labels()
+    for axis in axes:
+        if axis.get_legend() is not None:
+            axis.get_legend().remove()
+        axis.yaxis.label.set_size(9)
+    for axis in axes[:-1]:
+        axis.set_xlabel("")
+    fig.suptitle(title, fontsize=11)
+    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, title=by,
+               title_fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.11 if len(labels) > 2 else 0.07, 1, 1))
     return fig
 
 

@@ -7,7 +7,7 @@ split by direction and eviction hint, and the distinct addresses are kept too. I
 sizes, chunking, warps and persistent grid of the CUDA launch plan, not the CPU's tiles.
 
 ``kernel_traffic()`` runs every op (forward, forward+backward) that way and reports the bytes
-touched against the minimum of ``normtools.measure.op_costs.bytes_moved``:
+touched against the minimum of ``normtools.measure.bench.minimum_bytes.bytes_moved``:
 
     touched = Σ over launches, loads and stores, of the bytes of masked-in lanes
     unique  = Σ over launches of the distinct bytes addressed (an ideal cache's traffic)
@@ -44,7 +44,7 @@ import triton.runtime.interpreter as triton_interpreter
 from normtools.core import launch_hooks, launch_plans
 from normtools.core.rope import launch_shape as rope_launch_shape
 from normtools.measure.bench.shapes import rows_and_length
-from normtools.measure.op_costs import bytes_moved
+from normtools.measure.bench.minimum_bytes import bytes_moved
 from normtools.measure.triton_runs import QK_HEADS, op_inputs, run_on_triton
 from normtools.measure.l2_model import H200_L2_BYTES, LINE_BYTES, Access, dram_bytes
 

@@ -64,7 +64,7 @@ from normtools.measure.bench.results import load_results
 from normtools.measure.bench.sweep import bench_case, run_sweep
 from normtools.measure.bench.timing import (TIMERS, copy_bandwidth, input_sets, n_buffer_sets, rotating_calls,
                                             summarize, time_calls)
-from normtools.measure.op_costs import bytes_moved
+from normtools.measure.bench.minimum_bytes import bytes_moved
 
 __all__ = ["Case", "gpu_run_cases", "real_shape_cases", "estimate_seconds", "OPS", "BACKENDS", "ROW_OPS", "QK_OPS", "BANDWIDTH_TARGETS", "SPEEDUP_BASELINES",
            "Unavailable", "default_shapes", "shape_label", "make_inputs", "bytes_moved",

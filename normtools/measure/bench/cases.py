@@ -31,7 +31,7 @@ import torch
 
 from normtools.measure.bench.backends import offered
 from normtools.measure.bench.shapes import OPS, QK_OPS, ROW_OPS
-from normtools.measure.op_costs import bytes_moved
+from normtools.measure.bench.minimum_bytes import bytes_moved
 
 MIN_CASE_BYTES = 2**28
 TARGET_OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head")
