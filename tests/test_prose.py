@@ -20,7 +20,7 @@ BOOK = ROOT / "book"
 # Multi-word model names whose number is part of the name (one-word names such as Qwen3-8B,
 # GPT-2 or bfloat16 are letters with digits attached, allowed by the last pattern below).
 MODEL_NAMES = ("OLMo 2", "Llama 3", "Llama 2", "Gemma 2 and 3", "Gemma 2", "Gemma 3", "Phi 2",
-               "Command R", "Command A", "Qwen 3", "Triton 3", "Llama 4")
+               "Command R", "Command A", "Qwen 3", "Triton 3", "Llama 4", "Gemma 4")
 
 _REMOVED = [
     re.compile(r"```[^\n]*\n.*?```", re.S),                 # fenced blocks: code, mermaid, directives

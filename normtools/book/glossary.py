@@ -42,6 +42,11 @@ TERMS = (
          "output is added to the residual stream.", "02_flow", "nhánh dư"),
     Term("sublayer", "One of the two functions of a Transformer block, attention or the MLP.",
          "01_definition", "lớp con"),
+    Term("placement", "Where a norm sits around the residual branch (post-norm, pre-norm, "
+         "sandwich, post-sublayer, parallel); it changes both the forward pass (what each "
+         "sublayer reads, and whether the residual stream itself is normalized) and the gradient "
+         "(whether the path back to early layers passes through the norms) "
+         "{cite}`xiong2020layer`.", "01_definition", "vị trí của lớp chuẩn hoá"),
     Term("post-norm", "Placement $x \\leftarrow N(x + f(x))$: the norm is applied to the "
          "residual sum, as in the original Transformer {cite}`vaswani2017attention`.",
          "01_definition", "chuẩn hoá sau (Post-LN)"),
@@ -55,7 +60,9 @@ TERMS = (
          "the sublayer output only, OLMo 2's \"reordered norm\" {cite}`olmo2024olmo2`.",
          "03_solution", "chuẩn hoá đầu ra lớp con"),
     Term("parallel block", "Placement $x \\leftarrow x + \\mathrm{Attn}(N(x)) + \\mathrm{MLP}(N(x))$: "
-         "attention and MLP read the same normalized input {cite}`cohere2024commandr`.",
+         "attention and MLP read the same normalized input; Cohere's Command R and Command A "
+         "{cite}`hf2026coherecode,cohere2025commanda`, GPT-J, GPT-NeoX, and Phi-1, Phi-1.5 and "
+         "Phi-2 (Phi-3 is pre-norm).",
          "01_definition", "khối song song"),
     Term("block equation", "One Transformer block written as updates of the residual stream with "
          "its norms, e.g. $x \\leftarrow x + \\mathrm{Attn}(N(x))$.", "02_flow", "phương trình khối"),
@@ -79,11 +86,14 @@ TERMS = (
     Term("epsilon", "The small constant $\\epsilon$ added to the mean square before the square "
          "root; it matters when a row's mean square is not much larger than $\\epsilon$.",
          "03_solution", "hằng số epsilon (số hạng ổn định)"),
-    Term("scale parameterization", "How the learned scale $s$ is stored: as $s = w$ (Llama) or "
-         "as $s = 1 + w$ with a zero-centred $w$ (Gemma) {cite}`gemma2025gemma3`.",
+    Term("scale parameterization", "How the learned scale $s$ is stored: as $s = w$ (Llama, "
+         "Gemma 4) or as $s = 1 + w$ with a zero-centred $w$ (Gemma, Gemma 2 and Gemma 3), a "
+         "detail of the modeling code that the papers do not describe "
+         "{cite}`hf2026gemma3code,hf2026gemma4code`.",
          "03_solution", "cách tham số hoá hệ số tỉ lệ"),
     Term("offset", "The constant in $s = \\mathrm{offset} + w$: zero for Llama-style weights, one "
-         "for Gemma-style ones; always added in float32.", "03_solution", "độ dời (offset)"),
+         "for the $1 + w$ weights of Gemma, Gemma 2 and Gemma 3; always added in float32.",
+         "03_solution", "độ dời (offset)"),
     Term("casting", "Where the result is rounded to the model dtype: before the weight multiply "
          "(\"llama\") or after it (\"gemma\"); the statistics are float32 in both.",
          "03_solution", "ép kiểu dữ liệu"),
@@ -107,10 +117,15 @@ TERMS = (
          "so that the size of the attention logits no longer follows that of the projections: "
          "$\\ell_2$ normalization with a learned scalar in its first form "
          "{cite}`henry2020qknorm`, LayerNorm in ViT-22B {cite}`dehghani2023vit22b`, RMSNorm in "
-         "the language models of this book.",
+         "the language models of this book. A QK-Norm is specified by the axes its statistic "
+         "covers (its scope) and by its scale (learned or none, one weight for all heads or one "
+         "per head), not by its module name.",
          "01_definition", "chuẩn hoá truy vấn–khoá (QK-Norm)"),
-    Term("per-head QK-Norm", "QK-Norm whose statistics cover one head ($d_{head}$ features), "
-         "with one weight shared by all heads; Qwen3 and Gemma 3 {cite}`yang2025qwen3`.",
+    Term("per-head QK-Norm", "QK-Norm whose statistics cover one head ($d_{head}$ features). "
+         "Qwen3 and Gemma 3 share one weight of $d_{head}$ entries among all heads "
+         "{cite}`hf2026qwen3code,hf2026gemma3code`; Cohere's and Chameleon's LayerNorms have one "
+         "weight per head {cite}`hf2026coherecode,hf2026chameleoncode`, and Llama 4's has none "
+         "{cite}`hf2026llama4code`.",
          "02_flow", "QK-Norm theo từng đầu"),
     Term("per-layer QK-Norm", "QK-Norm whose statistics cover the whole projection "
          "($H \\cdot d_{head}$ features); OLMo 2 and MiniMax-M2 {cite}`minimax2025m2`.",
@@ -123,10 +138,13 @@ TERMS = (
     Term("GQA", "Grouped-query attention: several query heads share one key/value head "
          "{cite}`ainslie2023gqa`.", "02_flow", "chú ý truy vấn theo nhóm (GQA)"),
     Term("RoPE", "Rotary position embedding: q and k are rotated by position-dependent angles "
-         "{cite}`su2021roformer`; QK-Norm is applied before it.", "02_flow",
+         "{cite}`su2021roformer`. Qwen3, Gemma 3, OLMo 2 and MiniMax-M2 apply QK-Norm before it; "
+         "HunYuan, Llama 4 and nanochat apply it after ({doc}`atlas`).", "02_flow",
          "mã hoá vị trí xoay (RoPE)"),
-    Term("attention sink", "A learned per-head logit that joins each softmax so that a head can "
-         "attend to nothing; gpt-oss {cite}`openai2025gptoss`.", "03_solution",
+    Term("attention sink", "A learned per-head logit that joins each softmax without a value, "
+         "so that a head can give part of its weight to no token: the larger the sink logit, the "
+         "less weight the tokens share, but with a finite logit it never falls to zero; gpt-oss "
+         "{cite}`openai2025gptoss`.", "03_solution",
          "điểm hút chú ý (attention sink)"),
     # --- parallelism --------------------------------------------------------------------------
     Term("tensor parallelism", "Splitting each weight matrix over devices so that every device "
