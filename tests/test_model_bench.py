@@ -17,7 +17,7 @@ def _norm_modules(model):
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2"])
 def test_tiny_model_before_and_after_patch(family):
-    config = model_bench.tiny_model_config(family)
+    config = cards.tiny_config(family)
     result = model_bench.model_step_times(config, warmup=1, reps=3, batch=2, seq=8)
     rows = result["rows"]
     assert [(r["mode"], r["stage"]) for r in rows] == [

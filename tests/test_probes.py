@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from normtools.book.analysis import tiny_hf_model
+from normtools import cards
 from normtools.core.reference import rope_reference
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.probes import PROFILE_COLUMNS, depth_profile, plot_depth_profile, profile_placements
@@ -110,10 +110,11 @@ HF_MODELS = ["llama", "qwen3", "olmo2", "gemma3"]
 
 
 def tiny_hf(kind, attn_implementation="sdpa"):
-    """A random tiny HF model (normtools.book.analysis.tiny_hf_model), 3 layers, Gemma 3 window 8."""
+    """A random tiny HF model (normtools.cards.tiny_config), 3 layers, Gemma 3 window 8."""
     torch.manual_seed(0)
     extra = {"sliding_window": 8} if kind == "gemma3" else {}
-    return tiny_hf_model(kind, num_hidden_layers=3, attn_implementation=attn_implementation, **extra)
+    config = cards.tiny_config(kind, num_hidden_layers=3, attn_implementation=attn_implementation, **extra)
+    return cards.build_model(config).eval()
 
 
 @pytest.mark.parametrize("kind", HF_MODELS)

@@ -338,3 +338,29 @@ def test_fuzzed_headers_raise_only_the_documented_error(header, declared_len, da
     except SafetensorsHeaderError:
         return
     assert all(isinstance(info.shape, tuple) and info.numel >= 0 for info in tensors.values())
+
+
+# ------------------------------------------------------------------ tiny configs: published defaults of families
+
+@pytest.mark.parametrize("model_type, flag", [("cohere", "use_qk_norm"), ("phi", "qk_layernorm")])
+def test_default_flags_give_the_published_qk_norm_setting(model_type, flag):
+    """The tiny configs force QK-Norm on; the family row must show the config class's default,
+    checked against the modules transformers builds from it."""
+    import transformers
+
+    default = getattr(transformers.AutoConfig.for_model(model_type), flag)
+    assert cards.forced_flags(model_type) == {flag: (True, default)}
+    config = cards.tiny_config(model_type, default_flags=True)
+    assert config[flag] is default is False
+    model = cards.build_model(config)
+    qk_modules = [n for n, _ in model.named_modules() if n.endswith(("q_norm", "q_layernorm"))]
+    assert qk_modules == []
+    assert cards.from_hf_config(config).qk_norm.scope == "none"
+    forced = cards.build_model(cards.tiny_config(model_type))  # the variant does have them
+    assert any(n.endswith(("q_norm", "q_layernorm")) for n, _ in forced.named_modules())
+
+
+def test_families_without_forced_flags_are_unchanged():
+    for model_type in ("llama", "gemma2", "bert"):
+        assert cards.forced_flags(model_type) == {}
+        assert cards.tiny_config(model_type, default_flags=True) == cards.tiny_config(model_type)

@@ -40,7 +40,7 @@ _TINY_EXTRA = {  # None: the config class's default
                         qk_nope_head_dim=4, v_head_dim=8, n_routed_experts=4, num_experts_per_tok=2,
                         n_group=1, topk_group=1, first_k_dense_replace=1, moe_intermediate_size=16),
     "bert": dict(num_key_value_heads=None, head_dim=None, type_vocab_size=2),
-    # QK-Norm variants the cards do not cover (normtools.lab.related)
+    # QK-Norm variants the cards do not cover (normtools.lab.designs.transformers_qk_norm)
     "llama4_text": dict(intermediate_size_mlp=48, use_qk_norm=True, no_rope_layers=[1, 1],
                         max_position_embeddings=None, pad_token_id=None, bos_token_id=None, eos_token_id=None),
     "chameleon": dict(head_dim=None, max_position_embeddings=None, pad_token_id=None, bos_token_id=None,

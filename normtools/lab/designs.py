@@ -161,27 +161,18 @@ def versus(table, metric: str, a: str, b: str) -> str:
 # --------------------------------------------------------------------------------------------
 # Released models: QK-Norm variants in transformers' code, and what the norm cards record
 
-_TINY_QK = {
-    "llama4_text": dict(vocab_size=64, hidden_size=32, intermediate_size=48,
-                        intermediate_size_mlp=48, num_hidden_layers=2, num_attention_heads=4,
-                        num_key_value_heads=2, head_dim=8, use_qk_norm=True, no_rope_layers=[1, 1]),
-    "chameleon": dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2),
-}
-
-
 def transformers_qk_norm(model_type: str):
     """(q_norm, k_norm, config): the QK-Norm modules of layer 0's attention as transformers
-    builds them from a tiny config (random weights, nothing downloaded).
+    builds them from ``cards.tiny_config`` (random weights, nothing downloaded).
 
     ``"llama4_text"``: ``Llama4TextL2Norm``, one module without parameters used for q and k;
     ``"chameleon"``: ``ChameleonLayerNorm`` over (heads, head_dim), one weight and bias per head.
     """
     from transformers import AutoConfig
 
-    if model_type not in _TINY_QK:
-        raise ValueError(f"unknown model_type {model_type!r}; expected one of {', '.join(_TINY_QK)}")
-    config = AutoConfig.for_model(model_type, **_TINY_QK[model_type])
+    if model_type not in ("llama4_text", "chameleon"):
+        raise ValueError(f"unknown model_type {model_type!r}; expected llama4_text or chameleon")
+    config = AutoConfig.for_model(**tiny_config(model_type))
     if model_type == "llama4_text":
         from transformers.models.llama4.modeling_llama4 import Llama4TextAttention
 
