@@ -45,7 +45,8 @@ def _venv_packages(python):
     """name -> version of every distribution in the venv."""
     code = ("import json; from importlib import metadata; "
             "print(json.dumps({d.metadata['Name']: d.version for d in metadata.distributions()}))")
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([str(python), "-c", code], cwd=python.parent, capture_output=True, text=True,
+                         check=True).stdout                   # not this checkout's normtools.egg-info
     return {_project(name): value for name, value in json.loads(out).items()}
 
 
