@@ -10,6 +10,7 @@
 """
 
 import contextlib
+import copy
 import json
 import multiprocessing
 import os
@@ -148,13 +149,11 @@ def test_shrunk_models_stay_buildable(shrink):
     flow = sizes.chapter_settings("02", "gpu", shrink)
     assert flow["width"] % flow["heads"] == 0 and (flow["width"] // flow["heads"]) % 2 == 0
     assert (flow["hf_hidden"] // 4) % 2 == 0   # the chapter's HF models: head_dim hidden / 4
-    table = {"gpu": grid.STABILITY_SIZES["gpu"]}
-    stability = table[sizes.register_shrunk(table, "stability", "gpu", shrink)]
+    stability = sizes.settings_at(grid.STABILITY_SIZES, "stability", "gpu", shrink)
     for model in (stability["model"], {**stability["xiong"]["model"]}):
         assert model["width"] % model["heads"] == 0
         assert (model["width"] // model["heads"]) % 2 == 0
-    table = {"gpu": designs.RELATED_SIZES["gpu"]}
-    rel = table[sizes.register_shrunk(table, "related", "gpu", shrink)]
+    rel = sizes.settings_at(designs.RELATED_SIZES, "related", "gpu", shrink)
     for model in (rel["model"], rel["probe_model"]):
         assert model["width"] % model["heads"] == 0
     examples = sizes.chapter_settings("05", "gpu", shrink)
@@ -162,10 +161,18 @@ def test_shrunk_models_stay_buildable(shrink):
     assert examples["batch"] >= 1 and examples["seq_len"] >= 8
 
 
-def test_register_shrunk_names_the_shrunk_size():
-    table = {"cpu": {"steps": 100}, "gpu": {"steps": 1000}}
-    assert sizes.register_shrunk(table, "06", "cpu", 64) == "cpu"
-    assert sizes.register_shrunk(table, "06", "gpu", 1) == "gpu"
+def test_settings_at_returns_a_copy_and_leaves_the_table_as_it_is():
+    table = {"cpu": {"steps": 100, "batch_size": 8}, "gpu": {"steps": 1000, "batch_size": 32}}
+    before = copy.deepcopy(table)
+    assert sizes.settings_at(table, "06", "cpu", 64) == table["cpu"]
+    assert sizes.settings_at(table, "06", "gpu", 1) == table["gpu"]
+    shrunk = sizes.settings_at(grid.STABILITY_SIZES, "stability", "gpu", 64)
+    assert shrunk["steps"] == 10   # 1000 / 64 is under the floor of 10 steps
+    shrunk["model"]["width"] = -1
+    assert table == before and set(grid.STABILITY_SIZES) == {"test", "cpu", "gpu"}
+    assert grid.STABILITY_SIZES["gpu"]["model"]["width"] == 512
+    with pytest.raises(ValueError, match="'cpu' or 'gpu'"):
+        sizes.settings_at(table, "06", "test")
     with pytest.raises(KeyError, match="do not have"):
         sizes.shrink(table["gpu"], {"width": 8}, 2)
 

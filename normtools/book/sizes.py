@@ -1,24 +1,23 @@
-"""Each chapter's experiment sizes, in one place: ``"cpu"`` (2 CPU cores, the stored outputs) and
-``"gpu"`` (a GPU), and the gpu sizes divided by a chapter's ``gpu_shrink`` parameter.
+"""Each chapter's experiment sizes: ``"cpu"`` (2 CPU cores, the stored outputs) and ``"gpu"`` (a
+GPU), and the gpu sizes divided by a chapter's ``gpu_shrink`` parameter.
 
-A chapter's setup cell reads its settings with ``sizes.chapter_settings("05", size,
-gpu_shrink)``. ``gpu_shrink`` (default 1: the gpu sizes as they are) divides every size marked
+A size table is a dict {size: settings}. The chapters' own tables are :data:`CHAPTER_SIZES`; the
+settings of chapters 4a and 7 live with the lab code that runs them (``grid.STABILITY_SIZES``,
+``designs.RELATED_SIZES``, which the lab's CLI also reads). Every chapter reads its settings the
+same way, as a copy: ``sizes.chapter_settings("05", size, gpu_shrink)``, or for a lab table
+``sizes.settings_at(grid.STABILITY_SIZES, "stability", size, gpu_shrink)``, and passes them to
+the lab functions it calls; no table is ever changed. ``gpu_shrink`` (default 1: the gpu sizes as they are) divides every size marked
 shrinkable, so that ``tests/test_gpu_path.py`` runs a chapter's ``size="gpu"`` code path on a
 CPU in seconds and that path cannot rot unseen. A shrunk value is ``value // gpu_shrink``
 rounded down to a multiple of its floor and never below it, so that widths stay divisible by
 their head counts (the floors are multiples of them) and nothing reaches zero::
 
     shrunk(v) = max(floor, ⌊⌊v / k⌋ / floor⌋ · floor)        (k = gpu_shrink > 1)
-
-Settings that live in a lab module (chapter 4a's ``grid.STABILITY_SIZES``, chapter 7's
-``designs.RELATED_SIZES``) are shrunk in place by :func:`register_shrunk`, which adds the shrunk
-settings to that table under their own name (``"gpu/64"``), because the lab functions look
-their settings up by name.
 """
 
 import copy
 
-__all__ = ["CHAPTER_SIZES", "SHRINK_FLOORS", "chapter_settings", "register_shrunk", "shrink"]
+__all__ = ["CHAPTER_SIZES", "SHRINK_FLOORS", "chapter_settings", "settings_at", "shrink"]
 
 #: {chapter: {"cpu": settings, "gpu": settings}}; chapter 6 has no size-dependent cell.
 CHAPTER_SIZES = {
@@ -98,23 +97,18 @@ def shrink(settings: dict, floors: dict, gpu_shrink: int) -> dict:
     return out
 
 
-def chapter_settings(chapter: str, size: str = "cpu", gpu_shrink: int = 1) -> dict:
-    """The settings of ``chapter`` ("01", "02", ...) at ``size``; the gpu ones divided by
-    ``gpu_shrink`` (the cpu ones never are: they make the stored outputs)."""
+def settings_at(table: dict, kind: str, size: str = "cpu", gpu_shrink: int = 1) -> dict:
+    """A copy of ``table[size]`` (``table``: {"cpu": settings, "gpu": settings}); the gpu settings
+    divided by ``gpu_shrink`` within the floors ``SHRINK_FLOORS[kind]`` (the cpu ones never are:
+    they make the stored outputs). ``table`` is left as it is."""
     if size not in ("cpu", "gpu"):
         raise ValueError(f"size must be 'cpu' or 'gpu', got {size!r}")
-    settings = CHAPTER_SIZES[chapter][size]
     if size == "cpu":
-        return copy.deepcopy(settings)
-    return shrink(settings, SHRINK_FLOORS[chapter], gpu_shrink)
+        return copy.deepcopy(table[size])
+    return shrink(table[size], SHRINK_FLOORS[kind], gpu_shrink)
 
 
-def register_shrunk(table: dict, kind: str, size: str, gpu_shrink: int = 1) -> str:
-    """The size name to pass to a lab function whose settings are ``table[size]``: ``size``
-    itself, or for ``size="gpu"`` and ``gpu_shrink > 1`` the name ``"gpu/<gpu_shrink>"``, under
-    which the shrunk gpu settings (floors ``SHRINK_FLOORS[kind]``) are added to ``table``."""
-    if size != "gpu" or gpu_shrink == 1:
-        return size
-    name = f"gpu/{gpu_shrink}"
-    table[name] = shrink(table["gpu"], SHRINK_FLOORS[kind], gpu_shrink)
-    return name
+def chapter_settings(chapter: str, size: str = "cpu", gpu_shrink: int = 1) -> dict:
+    """The settings of ``chapter`` ("01", "02", ...) at ``size``: :func:`settings_at` of
+    ``CHAPTER_SIZES[chapter]``."""
+    return settings_at(CHAPTER_SIZES[chapter], chapter, size, gpu_shrink)

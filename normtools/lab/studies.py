@@ -57,16 +57,17 @@ class Study:
     spike_k: float = 7.0
     check: dict = field(default_factory=dict)  # the configuration rerun trains by default
 
-    def settings(self, size: str) -> dict:
-        """The size's settings with this study's steps and learning rates."""
-        settings = dict(grid.STABILITY_SIZES[size])
+    def settings(self, size: str = "cpu", size_settings: dict | None = None) -> dict:
+        """The settings of ``size`` (``size_settings``, default ``grid.STABILITY_SIZES[size]``)
+        with this study's steps and learning rates."""
+        settings = dict(grid.STABILITY_SIZES[size] if size_settings is None else size_settings)
         settings["steps"] = self.steps or settings["steps"]
         settings["lrs"] = tuple(self.lrs or settings["sweep_lrs"])
         return settings
 
-    def cells(self, size: str) -> list[dict]:
+    def cells(self, size: str = "cpu", size_settings: dict | None = None) -> list[dict]:
         """Every run of the study: one cell per variant, learning rate and seed."""
-        lrs = self.settings(size)["lrs"]
+        lrs = self.settings(size, size_settings)["lrs"]
         return [{**fields_, "lr": lr, "seed": seed, "variant": label}
                 for label, fields_ in self.variants.items() for lr in lrs for seed in self.seeds]
 
@@ -125,10 +126,9 @@ def _round(v, digits: int = 4):
     return v
 
 
-def run_records(study: Study, cells: list[dict], data, size: str, device="cpu") -> list[dict]:
-    """Train ``cells`` (cells of ``study``, each with its ``variant`` label) and return one JSON
-    record per run."""
-    settings = study.settings(size)
+def run_records(study: Study, cells: list[dict], data, settings: dict, device="cpu") -> list[dict]:
+    """Train ``cells`` (cells of ``study``, each with its ``variant`` label) at ``settings``
+    (:meth:`Study.settings`) and return one JSON record per run."""
     base_config = TinyLMConfig(**settings["model"])
     records = []
     for cell in cells:
@@ -150,15 +150,17 @@ def run_records(study: Study, cells: list[dict], data, size: str, device="cpu") 
     return records
 
 
-def run_study(name: str, size: str = "cpu", seeds=None, device="cpu") -> dict:
+def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
+              size_settings: dict | None = None) -> dict:
     """Train study ``name`` at ``size`` (``seeds`` overrides the study's) and return its JSON
-    document: ``study``, ``question``, ``size``, ``conditions`` and ``runs``."""
+    document: ``study``, ``question``, ``size``, ``conditions`` and ``runs``. ``size_settings``
+    replaces ``grid.STABILITY_SIZES[size]`` (a chapter passes its shrunk gpu settings)."""
     study = get_study(name)
     if seeds is not None:
         study = Study(**{**study.__dict__, "seeds": tuple(int(s) for s in seeds)})
-    settings = study.settings(size)
+    settings = study.settings(size, size_settings)
     start = time.perf_counter()
-    runs = run_records(study, study.cells(size), load_corpus(), size, device)
+    runs = run_records(study, study.cells(size, size_settings), load_corpus(), settings, device)
     return {
         "study": study.name, "question": study.question, "size": size,
         "conditions": {
@@ -208,7 +210,8 @@ def rerun(document: dict, variant: str | None = None, lr: float | None = None,
                                 if v is not None}}
     cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
             "variant": chosen["variant"]}
-    return chosen, run_records(study, [cell], data or load_corpus(), document["size"])[0]
+    settings = study.settings(document["size"])
+    return chosen, run_records(study, [cell], data or load_corpus(), settings)[0]
 
 
 def compare_rerun(document: dict, chosen: dict, record: dict,
