@@ -81,6 +81,9 @@ def head_range(num_heads, world_size, rank):
     H ≥ P: the contiguous block of H/P heads (P must divide H). H < P: one head, replicated on
     P/H consecutive ranks (H must divide P).
     """
+    for name, count in (("num_heads", num_heads), ("world_size", world_size)):
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise ValueError(f"{name} must be a positive integer, got {count!r}")
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in [0, {world_size})")
     if num_heads >= world_size:
@@ -96,7 +99,10 @@ def head_range(num_heads, world_size, rank):
 
 def shard_columns(x, *, head_dim, num_heads, world_size, rank):
     """The columns of a (..., H·head_dim) tensor (a projection output, a per_layer weight)
-    that belong to the heads of ``rank``."""
+    that belong to the heads of ``rank``; the last dimension must be ``num_heads · head_dim``."""
+    if x.shape[-1] != num_heads * head_dim:
+        raise ValueError(f"last dimension {x.shape[-1]} is not num_heads · head_dim = "
+                         f"{num_heads} · {head_dim} = {num_heads * head_dim}")
     heads = head_range(num_heads, world_size, rank)
     return x[..., heads.start * head_dim:heads.stop * head_dim]
 
