@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import normtools
 from normtools import tp
 
 
@@ -24,3 +25,22 @@ def test_shard_columns_with_the_right_head_count_still_cuts_each_rank_its_heads(
     x = torch.arange(4 * 8.0).expand(3, -1)
     shards = [tp.shard_columns(x, head_dim=8, num_heads=4, world_size=2, rank=r) for r in range(2)]
     assert torch.equal(torch.cat(shards, -1), x)
+
+
+@pytest.mark.parametrize("eps", [1e-50, 1e-39, 1e-45])
+def test_an_eps_that_is_zero_or_subnormal_in_float32_is_refused(eps):
+    """1e-50 is 0 in float32 and 1e-39 subnormal: an all-zero row would be 0 · rsqrt(0) = NaN."""
+    x = torch.zeros(1, 16)
+    assert torch.tensor(eps, dtype=torch.float32).item() < torch.finfo(torch.float32).tiny
+    for call in (lambda: normtools.rms_norm(x, torch.ones(16), eps),
+                 lambda: normtools.layer_norm(x, torch.ones(16), None, eps),
+                 lambda: normtools.RMSNorm(16, eps)):
+        with pytest.raises(ValueError, match="smallest normal"):
+            call()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_smallest_accepted_eps_normalizes_an_all_zero_row_to_zero(backend):
+    eps = torch.finfo(torch.float32).tiny
+    y = normtools.rms_norm(torch.zeros(1, 16), torch.ones(16), eps, backend=backend)
+    assert torch.equal(y, torch.zeros(1, 16))

@@ -67,16 +67,23 @@ def _is_real(value):
     return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
+# The statistics are computed in float32 for every input dtype: an eps below float32's smallest
+# normal number is subnormal there (or rounds to 0, as 1e-50 does), and an all-zero row gives NaN.
+SMALLEST_EPS = torch.finfo(torch.float32).tiny
+
+
 def check_eps(eps):
-    """eps must be a finite real number > 0.
+    """eps must be a finite real number, at least float32's smallest normal number
+    (``SMALLEST_EPS`` ≈ 1.18e-38: the statistics are computed in float32).
 
     Written with comparisons only (a NaN fails both), so that it also holds for the symbolic
     float of a traced eps: ``torch.compile(fullgraph=True)`` guards on it instead of breaking
     the graph (``math.isfinite`` cannot take a symbolic float)."""
     if not _is_real(eps):
         raise TypeError(f"eps must be a float, got {type(eps).__name__}")
-    if not 0 < eps < math.inf:
-        raise ValueError(f"eps must be finite and > 0, got {float(eps)}")
+    if not SMALLEST_EPS <= eps < math.inf:
+        raise ValueError(f"eps must be finite and > 0, at least float32's smallest normal number "
+                         f"{SMALLEST_EPS:.3g} (the statistics are float32), got {float(eps)}")
 
 
 def check_offset(offset):
@@ -86,6 +93,12 @@ def check_offset(offset):
         raise TypeError(f"offset must be a float, got {type(offset).__name__}")
     if not -math.inf < offset < math.inf:
         raise ValueError(f"offset must be finite, got {float(offset)}")
+
+
+def check_choice(name, value, choices):
+    """value must be one of choices (``name`` says what it is in the error)."""
+    if value not in choices:
+        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
 
 
 def check_casting(casting):
