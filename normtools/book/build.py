@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 # Keys whose values change at every execution (timestamps, durations, papermill's status).
-VOLATILE_NOTEBOOK_KEYS = ("papermill",)
-VOLATILE_CELL_KEYS = ("papermill", "execution", "ExecuteTime")
+_VOLATILE_NOTEBOOK_KEYS = ("papermill",)
+_VOLATILE_CELL_KEYS = ("papermill", "execution", "ExecuteTime")
 
 
 def _merge_streams(outputs: list) -> list:
@@ -50,10 +50,10 @@ def strip_volatile_metadata(notebook: dict) -> dict:
 
     Cell outputs are kept: they are what nbval checks and what the book shows.
     """
-    for key in VOLATILE_NOTEBOOK_KEYS:
+    for key in _VOLATILE_NOTEBOOK_KEYS:
         notebook.get("metadata", {}).pop(key, None)
     for cell in notebook.get("cells", []):
-        for key in VOLATILE_CELL_KEYS:
+        for key in _VOLATILE_CELL_KEYS:
             cell.get("metadata", {}).pop(key, None)
         if cell.get("cell_type") == "code":
             cell["outputs"] = _merge_streams(cell.get("outputs", []))
@@ -134,7 +134,7 @@ def over_budget(times: dict, budget_s: float = CHAPTER_BUDGET_S) -> tuple[dict, 
 
 
 # The project itself is installed from the working tree, never from the lock.
-UNLOCKED_DISTRIBUTIONS = ("normtools",)
+_UNLOCKED_DISTRIBUTIONS = ("normtools",)
 
 
 def _canonical(name: str) -> str:
@@ -157,7 +157,7 @@ def lock_text() -> str:
     site = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]})
     for dist in importlib.metadata.distributions(path=site):
         name = dist.metadata["Name"]
-        if name and _canonical(name) not in UNLOCKED_DISTRIBUTIONS:
+        if name and _canonical(name) not in _UNLOCKED_DISTRIBUTIONS:
             versions.setdefault(_canonical(name), f"{name}=={dist.version.split('+')[0]}")
     header = [
         "# normbook's locked environment: the exact version of every package in the virtual environment",

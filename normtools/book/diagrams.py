@@ -19,7 +19,7 @@ from pathlib import Path
 #: mermaid's configuration for every diagram: one font family, measured where it renders.
 #: (Labels stay HTML in a foreignObject, which browsers also draw inside an ``<img>``; mermaid's
 #: SVG-text labels cannot break lines at ``<br/>``.)
-MERMAID_CONFIG = {
+_MERMAID_CONFIG = {
     "startOnLoad": False,
     "securityLevel": "strict",
     "theme": "default",
@@ -44,12 +44,12 @@ _RENDER = """async ([key, source, config]) => {
 def diagram_key(source: str, mermaid_js: Path) -> str:
     """``mermaid-`` and 16 hex digits of sha256 over the mermaid build, the config and the source."""
     digest = hashlib.sha256(mermaid_js.read_bytes())
-    digest.update(json.dumps(MERMAID_CONFIG, sort_keys=True).encode())
+    digest.update(json.dumps(_MERMAID_CONFIG, sort_keys=True).encode())
     digest.update(source.strip().encode())
     return "mermaid-" + digest.hexdigest()[:16]
 
 
-def chromium_executable() -> str | None:
+def _chromium_executable() -> str | None:
     """Debian's Chromium (CI installs it), or None where Playwright's own browser must serve."""
     return shutil.which("chromium") or shutil.which("chromium-browser")
 
@@ -67,14 +67,14 @@ def render_svgs(sources: list[str], cache: Path, mermaid_js: Path) -> dict[str, 
 
         cache.mkdir(parents=True, exist_ok=True)
         with sync_playwright() as playwright:
-            browser = playwright.chromium.launch(executable_path=chromium_executable(), args=CHROMIUM_ARGS)
+            browser = playwright.chromium.launch(executable_path=_chromium_executable(), args=CHROMIUM_ARGS)
             page = browser.new_page()
             page.route("**/*", lambda route: route.abort())          # nothing leaves the machine
             page.set_content("<!doctype html><html><body></body></html>")
             page.add_script_tag(content=mermaid_js.read_text(encoding="utf-8"))
             for source in missing:
                 try:
-                    svg = page.evaluate(_RENDER, [keys[source], source.strip(), MERMAID_CONFIG])
+                    svg = page.evaluate(_RENDER, [keys[source], source.strip(), _MERMAID_CONFIG])
                 except Error as error:
                     raise ValueError(f"mermaid cannot render this diagram:\n{source}\n{error}") from None
                 (cache / f"{keys[source]}.svg").write_text(_round_coordinates(svg) + "\n", encoding="utf-8")
@@ -116,7 +116,7 @@ def book_diagram_sources(book: Path) -> list[str]:
     return sources
 
 
-def refresh_cache(book: Path) -> tuple[int, list[str]]:
+def _refresh_cache(book: Path) -> tuple[int, list[str]]:
     """Render the book's new diagrams into ``book/_diagrams`` and delete SVGs no diagram uses.
 
     Returns the number of diagrams and the names of the deleted files.
@@ -151,5 +151,5 @@ def standalone_svg(svg: str) -> str:
 
 
 if __name__ == "__main__":
-    count, deleted = refresh_cache(Path("book"))
+    count, deleted = _refresh_cache(Path("book"))
     print(f"book/_diagrams: {count} diagrams" + (f", deleted unused {deleted}" if deleted else ""))

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 
-def select_device(requested: str = "auto") -> torch.device:
+def _select_device(requested: str = "auto") -> torch.device:
     """CUDA when present (or when asked for), else CPU."""
     if requested == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -54,7 +54,7 @@ def setup(seed: int = 0, threads: int = 2, device: str = "auto") -> torch.device
         matplotlib.rcParams["svg.hashsalt"] = "normbook"
     except ImportError:
         pass
-    return select_device(device)
+    return _select_device(device)
 
 
 def glue_number(name: str, value: float, fmt: str = "{:.3g}") -> str:
@@ -66,7 +66,7 @@ def glue_number(name: str, value: float, fmt: str = "{:.3g}") -> str:
     return text
 
 
-class FullTable:
+class _FullTable:
     """A table shown by Jupyter as HTML with every cell in full; see :func:`full_table`."""
 
     def __init__(self, df, name: str):
@@ -80,7 +80,7 @@ class FullTable:
         return f"<table {self.name}: {rows} rows x {columns} columns>"
 
 
-def full_table(df, name: str) -> FullTable:
+def full_table(df, name: str) -> _FullTable:
     """``df`` as an HTML table with every cell in full (a displayed DataFrame cuts cells at
     ``display.max_colwidth`` characters), for tables of long strings such as norm cards.
 
@@ -88,4 +88,4 @@ def full_table(df, name: str) -> FullTable:
     its size, so the stored outputs are the same at every run and nbval can compare them.
     Numbers should be formatted before (strings here).
     """
-    return FullTable(df, name)
+    return _FullTable(df, name)

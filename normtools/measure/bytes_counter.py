@@ -17,9 +17,9 @@ touched against the minimum of ``normtools.measure.bench.minimum_bytes.bytes_mov
     ratio   = touched / minimum
 
 Scaling. Traffic per row is what matters, and the interpreter costs about 1 ms per program,
-so a case does not run its real M (4096 rows by default) but the rows of ``SIMULATED_PROGRAMS``
-programs of its real plan: M_sim = SIMULATED_PROGRAMS × rows_per_program, with a grid of that
-many programs (a GPU of SIMULATED_PROGRAMS × num_ctas / PROGRAMS_PER_SM SMs; on sm_90 a long
+so a case does not run its real M (4096 rows by default) but the rows of ``_SIMULATED_PROGRAMS``
+programs of its real plan: M_sim = _SIMULATED_PROGRAMS × rows_per_program, with a grid of that
+many programs (a GPU of _SIMULATED_PROGRAMS × num_ctas / PROGRAMS_PER_SM SMs; on sm_90 a long
 row's program is a cluster of num_ctas CTAs, which the interpreter runs as one program: the
 row is still loaded once, whichever CTA holds which part). Every program then does
 exactly what it does in the real launch, and the bytes are scaled by M / M_sim; the minimum is
@@ -55,7 +55,7 @@ OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "layer_norm", "layer_norm
        "qk_norm_per_layer_fwd_bwd", "qk_norm_rope_per_head", "qk_norm_rope_per_head_fwd_bwd",
        "qk_norm_rope_per_layer", "qk_norm_rope_per_layer_fwd_bwd")
 ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
-SIMULATED_PROGRAMS = 2
+_SIMULATED_PROGRAMS = 2
 REAL_M = 4096
 # GPUs whose launch plans the counter runs: SMs, compute capability, L2 (NVIDIA's data sheets).
 # The A100 (sm_80) has no thread-block clusters: its plan reads long rows in chunks.
@@ -65,7 +65,7 @@ GPUS = {"h200": dict(sm_count=launch_plans.DEFAULT_SM_COUNT,
 
 
 @dataclasses.dataclass
-class KernelBytes:
+class _KernelBytes:
     """Bytes one kernel's launches touched: ``loads`` / ``stores`` keyed by eviction hint
     ("" for none), ``unique`` distinct bytes summed over launches, and the launch count."""
 
@@ -83,7 +83,7 @@ class KernelBytes:
 def counting_bytes(touch_memory=True, trace=None, trace_line=None):
     """Count the bytes of every load and store of interpreted launches in this context.
 
-    Yields a dict {kernel name: KernelBytes}. A lane counts when its mask is true; a load or
+    Yields a dict {kernel name: _KernelBytes}. A lane counts when its mask is true; a load or
     store without a mask counts every lane. With ``trace`` (a list), each access appends an
     ``l2_model.Access``: "load" | "store", the element addresses of the masked-in lanes, the
     element size, the eviction hint, the launch (counted from 0 in this context) and the
@@ -95,7 +95,7 @@ def counting_bytes(touch_memory=True, trace=None, trace_line=None):
     Restores the interpreter on exit.
     """
     builder = triton_interpreter.interpreter_builder
-    counts = defaultdict(KernelBytes)
+    counts = defaultdict(_KernelBytes)
     state = {"kernel": None, "runs": [], "launch": -1}
 
     def finish_launch():
@@ -181,30 +181,30 @@ def _distinct_bytes(runs):
     return int((ends[closes] - starts[opens]).sum())
 
 
-def simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,
+def _simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,
                      capability=launch_plans.DEFAULT_CAPABILITY):
-    """(shape, SMs) a case runs at: the rows of SIMULATED_PROGRAMS programs of its real plan
+    """(shape, SMs) a case runs at: the rows of _SIMULATED_PROGRAMS programs of its real plan
     (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
-    QK-Norm: SIMULATED_PROGRAMS programs per head slot), on a GPU of SIMULATED_PROGRAMS x the
+    QK-Norm: _SIMULATED_PROGRAMS programs per head slot), on a GPU of _SIMULATED_PROGRAMS x the
     plan's CTAs per program SMs (a cluster plan's program spans num_ctas SMs)."""
     direction = "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
     if op.startswith("qk_norm_rope"):
         with launch_hooks.planning_for_cuda(sm_count, capability):
             plan = rope_launch_shape("qk_norm_rope" + direction, shape["T"], shape["Hq"],
                                      shape["Hk"], shape["D"], "per_layer" in op, dtype, "cpu")[0]
-        sim = dict(shape, T=min(shape["T"], SIMULATED_PROGRAMS * plan.rows_per_program))
+        sim = dict(shape, T=min(shape["T"], _SIMULATED_PROGRAMS * plan.rows_per_program))
     elif op.startswith("qk_norm"):
         m, n = rows_and_length(op, shape)
         slots = shape["Hq"] + shape["Hk"] if "per_head" in op else 2
         plan = launch_plans.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
                                    capability)
-        sim = dict(shape, T=min(m, SIMULATED_PROGRAMS * plan.rows_per_program))
+        sim = dict(shape, T=min(m, _SIMULATED_PROGRAMS * plan.rows_per_program))
     else:
         kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"
         plan = launch_plans.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
                                    sm_count, capability=capability)
-        sim = dict(shape, M=min(shape["M"], SIMULATED_PROGRAMS * plan.rows_per_program))
-    return sim, SIMULATED_PROGRAMS * plan.num_ctas // launch_plans.PROGRAMS_PER_SM
+        sim = dict(shape, M=min(shape["M"], _SIMULATED_PROGRAMS * plan.rows_per_program))
+    return sim, _SIMULATED_PROGRAMS * plan.num_ctas // launch_plans.PROGRAMS_PER_SM
 
 
 def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=launch_plans.DEFAULT_SM_COUNT,
@@ -216,7 +216,7 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=launch_plans.DEFAULT_
     (``dram_no_hints``). The simulated SMs get their share of the L2, l2_bytes × simulated
     SMs / ``sm_count``, and run one wave of PROGRAMS_PER_SM programs each. ``sm_count`` and
     ``capability`` are the GPU's whose launch plan is counted (default: an H200's)."""
-    sim, simulated_sms = simulated_launch(op, shape, dtype, sm_count, capability)
+    sim, simulated_sms = _simulated_launch(op, shape, dtype, sm_count, capability)
     inputs = op_inputs(op, sim, dtype)
     scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
     trace = [] if l2_bytes is not None else None

@@ -38,7 +38,7 @@ from normtools.measure.bench.timing import summarize
 
 __all__ = ["full_width_config", "model_step_times", "speedups", "main"]
 
-MODES = ("forward", "forward+backward")
+_MODES = ("forward", "forward+backward")
 
 
 def full_width_config(name="qwen3-8b", layers=4):
@@ -83,7 +83,7 @@ def _time_steps(model, ids, mode, warmup, reps):
 
 
 def model_step_times(config, *, backend=None, batch=2, seq=64, device="cpu",
-                     dtype=torch.float32, warmup=3, reps=30, modes=MODES, seed=0, label=None):
+                     dtype=torch.float32, warmup=3, reps=30, modes=_MODES, seed=0, label=None):
     """Step times of the model of ``config`` before and after ``normtools.patch``.
 
     ``backend``: the patched modules' backend (default "triton" on CUDA, "torch" on CPU).

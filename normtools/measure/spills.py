@@ -40,7 +40,7 @@ from triton.runtime.jit import create_function_from_signature
 from normtools.core import launch_hooks, launch_plans
 from normtools.measure.triton_runs import op_inputs, op_shape, run_on_triton
 
-ARCHS = (90, 80, 75)
+_ARCHS = (90, 80, 75)
 ROW_LENGTHS = tuple(2**p for p in range(10, 18))        # N = 1K ... 128K
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The ops whose launches are compiled; QK-Norm at Hq = 32, Hk = 8 heads of head_dim N / 32 per
@@ -48,18 +48,18 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 OPS = ("rms_norm_fwd_bwd", "add_rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
        "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd",
        "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
-QK_HEAD_DIMS = (64, 128, 256)
+_QK_HEAD_DIMS = (64, 128, 256)
 _REPORT = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
                      r".*?Used (\d+) registers", re.S)
 
 
-def ptxas_path():
+def _ptxas_path():
     """Triton's bundled ptxas that reads its PTX (``ptxas-blackwell``, CUDA 13)."""
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
                         "ptxas-blackwell")
 
 
-def record_launches(op, dtype, n, m=64, capability=launch_plans.DEFAULT_CAPABILITY):
+def _record_launches(op, dtype, n, m=64, capability=launch_plans.DEFAULT_CAPABILITY):
     """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
     (``triton_runs.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
     heads of n / 32) with the CUDA launch plan of a GPU of compute capability ``capability``
@@ -71,7 +71,7 @@ def record_launches(op, dtype, n, m=64, capability=launch_plans.DEFAULT_CAPABILI
     return launches
 
 
-def specialize(launch, cc):
+def _specialize(launch, cc):
     """(signature, constexprs, attrs, options) that a CUDA launch of the recorded arguments
     compiles, from Triton's own binder."""
     kernel = launch.kernel
@@ -87,7 +87,7 @@ def specialize(launch, cc):
 def compile_report(launch, cc):
     """Compile one recorded launch for compute capability ``cc``; ptxas's report as a dict:
     registers, stack, spill_stores, spill_loads (bytes) and the configuration's key."""
-    signature, constexprs, attrs, options = specialize(launch, cc)
+    signature, constexprs, attrs, options = _specialize(launch, cc)
     key = (launch.kernel.fn.__name__, cc, repr(sorted(signature.items())),
            repr(sorted((k, repr(v)) for k, v in constexprs.items())), repr(sorted(attrs.items())),
            options.num_warps, options.num_ctas)
@@ -101,7 +101,7 @@ def _ptxas_report(ptx, cc):
         src, out = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:
             f.write(ptx)
-        done = subprocess.run([ptxas_path(), "-v", "--gpu-name", arch, src, "-o", out],
+        done = subprocess.run([_ptxas_path(), "-v", "--gpu-name", arch, src, "-o", out],
                               capture_output=True, text=True, check=True)
     stack, stores, loads, registers = map(int, _REPORT.search(done.stderr).groups())
     return {"registers": registers, "stack": stack, "spill_stores": stores,
@@ -130,7 +130,7 @@ def _constexpr_summary(launch):
                     + ([f"ctas={ctas}"] if ctas > 1 else []))
 
 
-def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=ARCHS, qk_head_dims=QK_HEAD_DIMS):
+def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=_ARCHS, qk_head_dims=_QK_HEAD_DIMS):
     """Registers and spill bytes of every launch the launcher picks, one row per (op, dtype,
     N, kernel, cc), with the plan of each cc (sm_90's clusters, older GPUs' chunks). N is the
     row length (QK per head: head_dim). See the module docstring for how it is measured."""
@@ -140,7 +140,7 @@ def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=ARCHS, qk_head_dim
             lengths = qk_head_dims if "per_head" in op else ns
             for n in lengths:
                 for cc in archs:
-                    for launch in record_launches(op, dtype, n, capability=cc):
+                    for launch in _record_launches(op, dtype, n, capability=cc):
                         report = compile_report(launch, cc)
                         rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
                                      "N": n, "kernel": launch.kernel.fn.__name__,
@@ -154,7 +154,7 @@ def main(argv=None):
     parser.add_argument("--arch", type=int, action="append", help="compute capability "
                         "(repeatable; default 90, 80, 75)")
     args = parser.parse_args(argv)
-    table = spill_table(archs=tuple(args.arch or ARCHS))
+    table = spill_table(archs=tuple(args.arch or _ARCHS))
     if args.csv:
         table.to_csv(args.csv, index=False)
     with pd.option_context("display.max_rows", None, "display.width", 200):

@@ -26,7 +26,7 @@ OPS = ("rms_norm", "rms_norm_fwd_bwd", "add_rms_norm", "add_rms_norm_fwd_bwd", "
 QK_HEADS = (32, 8)
 
 
-def base_op(op):
+def _base_op(op):
     """The forward op of ``op``: "rms_norm" for "rms_norm_fwd_bwd"."""
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; expected one of {', '.join(OPS)}")
@@ -46,7 +46,7 @@ def op_shape(op, n, m):
 def op_inputs(op, shape, dtype, seed=0):
     """Random CPU inputs of ``op`` at ``shape`` (those of its forward op), with the head dim
     under "D" for QK ops."""
-    inputs = make_inputs(base_op(op), shape, dtype, "cpu", seed)
+    inputs = make_inputs(_base_op(op), shape, dtype, "cpu", seed)
     inputs["D"] = shape.get("D")
     return inputs
 
@@ -54,7 +54,7 @@ def op_inputs(op, shape, dtype, seed=0):
 def run_on_triton(op, inputs, seed=0):
     """Run ``op`` on ``backend="triton"`` with ``inputs`` (``op_inputs``): the forward, and for
     *_fwd_bwd the backward with random output gradients. Returns the forward's outputs."""
-    base, backward = base_op(op), op.endswith("_fwd_bwd")
+    base, backward = _base_op(op), op.endswith("_fwd_bwd")
     tensors = {k: v.detach().requires_grad_(backward and k not in ("cos", "sin"))
                for k, v in inputs.items() if isinstance(v, torch.Tensor)}
     if base.startswith("qk_norm_rope"):

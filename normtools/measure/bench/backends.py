@@ -87,12 +87,12 @@ _CLUSTER_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fw
                     "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
                     "layer_norm": ("layer_norm_fwd",), "qk_norm_per_head": ("qk_norm_fwd",),
                     "qk_norm_per_layer": ("qk_norm_fwd",)}
-CHUNKED_CAPABILITY = 80     # an A100's plan: no clusters, long rows read in chunks
+_CHUNKED_CAPABILITY = 80     # an A100's plan: no clusters, long rows read in chunks
 
 
 def clusters_matter(op, shape):
     """True when an sm_90 launch plan of ``op`` at ``shape`` runs a kernel on thread-block
-    clusters, so that the chunked plan (``CHUNKED_CAPABILITY``) launches it differently."""
+    clusters, so that the chunked plan (``_CHUNKED_CAPABILITY``) launches it differently."""
     rows, n = rows_and_length(op, shape)
     return any(launch_plans.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
                for kernel in _CLUSTER_KERNELS.get(op, ()))
@@ -100,9 +100,9 @@ def clusters_matter(op, shape):
 
 def on_chunked_plan(fn, sm_count):
     """``fn`` with every kernel launched on the plan of a GPU of ``sm_count`` SMs without
-    clusters (compute capability ``CHUNKED_CAPABILITY``), backward included."""
+    clusters (compute capability ``_CHUNKED_CAPABILITY``), backward included."""
     def call(t):
-        with launch_hooks.planning_for_cuda(sm_count, CHUNKED_CAPABILITY):
+        with launch_hooks.planning_for_cuda(sm_count, _CHUNKED_CAPABILITY):
             return fn(t)
     return call
 

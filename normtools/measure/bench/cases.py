@@ -16,7 +16,7 @@ again, as a decode step finds its small activations in cache).
   size; QK-Norm as per head (head_dim) or per layer (heads · head_dim) with the model's heads,
   alone and fused with RoPE (``qk_norm_rope_*``, forward + backward in prefill too; the
   rotation over the whole head).
-* ``synthetic_cases``: every op at N = 1K … 128K and the QK layouts of ``shapes.default_shapes``.
+* ``_synthetic_cases``: every op at N = 1K … 128K and the QK layouts of ``shapes.default_shapes``.
 
 Synthetic cases (first pass and sweep) move at least ``MIN_CASE_BYTES`` = 256 MiB
 (``bytes_moved``): the rows M (tokens T) scale with N, so that a call lasts long enough that its
@@ -34,11 +34,11 @@ from normtools.measure.bench.shapes import OPS, QK_OPS, ROW_OPS
 from normtools.measure.bench.minimum_bytes import bytes_moved
 
 MIN_CASE_BYTES = 2**28
-TARGET_OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head")
-FIRST_PASS_N = (2048, 8192, 32768, 131072)
-SWEEP_N = tuple(2**p for p in range(10, 18))
+_TARGET_OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head")
+_FIRST_PASS_N = (2048, 8192, 32768, 131072)
+_SWEEP_N = tuple(2**p for p in range(10, 18))
 # (Hq, Hk, D) of the synthetic QK-Norm cases; the first pass uses the first (Qwen 3's layout).
-SWEEP_QK = ((32, 8, 128),) + tuple((hq, hk, d) for d in (64, 128, 256)
+_SWEEP_QK = ((32, 8, 128),) + tuple((hq, hk, d) for d in (64, 128, 256)
                                    for hq, hk in ((32, 8), (64, 8), (16, 16))
                                    if (hq, hk, d) != (32, 8, 128))
 PREFILL_TOKENS, DECODE_BATCH = 8192, 64
@@ -72,7 +72,7 @@ class Case:
         return row
 
 
-def scaled_shape(op, n_or_layout, dtype, min_bytes=MIN_CASE_BYTES):
+def _scaled_shape(op, n_or_layout, dtype, min_bytes=MIN_CASE_BYTES):
     """The smallest shape of ``op`` with ``bytes_moved`` ≥ ``min_bytes``.
 
     Row ops: ``n_or_layout`` is N and M is scaled; QK ops: it is (Hq, Hk, D) and T is scaled.
@@ -97,32 +97,32 @@ def _round_up(rows):
 
 
 def first_pass_cases(dtype, min_bytes=MIN_CASE_BYTES):
-    """The target ops at ``FIRST_PASS_N`` (QK-Norm per head: Qwen 3's layout), ≥ min_bytes each."""
+    """The target ops at ``_FIRST_PASS_N`` (QK-Norm per head: Qwen 3's layout), ≥ min_bytes each."""
     cases = []
-    for op in TARGET_OPS:
+    for op in _TARGET_OPS:
         if op in QK_OPS:
-            cases.append(Case("first pass", op, scaled_shape(op, SWEEP_QK[0], dtype, min_bytes)))
+            cases.append(Case("first pass", op, _scaled_shape(op, _SWEEP_QK[0], dtype, min_bytes)))
         else:
-            cases += [Case("first pass", op, scaled_shape(op, n, dtype, min_bytes))
-                      for n in FIRST_PASS_N]
+            cases += [Case("first pass", op, _scaled_shape(op, n, dtype, min_bytes))
+                      for n in _FIRST_PASS_N]
     return cases
 
 
-def synthetic_cases(dtype, min_bytes=MIN_CASE_BYTES, ops=OPS, skip=()):
-    """Every op of ``ops`` at ``SWEEP_N`` (row ops) or ``SWEEP_QK`` (QK ops), ≥ min_bytes each,
+def _synthetic_cases(dtype, min_bytes=MIN_CASE_BYTES, ops=OPS, skip=()):
+    """Every op of ``ops`` at ``_SWEEP_N`` (row ops) or ``_SWEEP_QK`` (QK ops), ≥ min_bytes each,
     leaving out the (op, shape) pairs of ``skip`` (cases already run)."""
     done = {(c.op, tuple(c.shape.items())) for c in skip}
     cases = []
     for op in ops:
-        sizes = SWEEP_QK if op in QK_OPS else SWEEP_N
+        sizes = _SWEEP_QK if op in QK_OPS else _SWEEP_N
         for size in sizes:
-            shape = scaled_shape(op, size, dtype, min_bytes)
+            shape = _scaled_shape(op, size, dtype, min_bytes)
             if (op, tuple(shape.items())) not in done:
                 cases.append(Case("sweep", op, shape))
     return cases
 
 
-def model_layouts():
+def _model_layouts():
     """{model: (hidden, heads, kv_heads, head_dim, QK-Norm scope)} of the bundled configs."""
     from normtools import cards
 
@@ -141,7 +141,7 @@ def real_shape_cases(prefill_tokens=PREFILL_TOKENS, decode_batch=DECODE_BATCH, o
     regimes = (("prefill", 1, prefill_tokens, ("rotated",)),
                ("decode", decode_batch, 1, ("warm", "rotated")))
     grouped = {}
-    for model, (hidden, heads, kv_heads, head_dim, scope) in model_layouts().items():
+    for model, (hidden, heads, kv_heads, head_dim, scope) in _model_layouts().items():
         for regime, batch, tokens, caches in regimes:
             t = batch * tokens
             wanted = [("rms_norm", {"M": t, "N": hidden}), ("add_rms_norm", {"M": t, "N": hidden})]
@@ -174,7 +174,7 @@ def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=("first pass", "real sha
     if "real shapes" in phases:
         cases += real_shape_cases(ops=ops)
     if "sweep" in phases:
-        cases += synthetic_cases(dtype, min_bytes, ops=ops, skip=cases)
+        cases += _synthetic_cases(dtype, min_bytes, ops=ops, skip=cases)
     return cases
 
 
@@ -182,7 +182,7 @@ def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=("first pass", "real sha
 
 # Assumptions of the estimate (an H200: ~4.8 TB/s HBM; Triton JIT and Inductor compile times
 # measured on other machines): seconds per first call of a backend, per later shape.
-FIRST_CALL_S = {"torch-compile": (25.0, 4.0), "normtools-triton": (3.0, 1.0),
+_FIRST_CALL_S = {"torch-compile": (25.0, 4.0), "normtools-triton": (3.0, 1.0),
                 "normtools-triton-chunks": (3.0, 1.0), "liger": (3.0, 1.0),
                 "normtools-torch": (0.5, 0.0), "torch-F": (0.5, 0.0)}
 _LAUNCH_US = 6.0
@@ -195,7 +195,7 @@ def estimate_seconds(cases, backends, *, warmup, reps, bandwidth_gbs=4000.0,
 
     Per case: creating its input sets (rotated: ≥ 2× cache and ≥ 4 sets, within
     ``rotation_bytes``; warm: one), then for each backend its first call at a new shape (a
-    compile for torch-compile, a JIT for Triton kernels: ``FIRST_CALL_S``, more the first time) and
+    compile for torch-compile, a JIT for Triton kernels: ``_FIRST_CALL_S``, more the first time) and
     ``warmup + reps`` samples of max(bytes / bandwidth, launch latency), a sample lasting ≥ 20 µs.
     A backend that does not time the case (``backends.offered``) adds nothing.
     """
@@ -209,7 +209,7 @@ def estimate_seconds(cases, backends, *, warmup, reps, bandwidth_gbs=4000.0,
         call_us = max(moved / (bandwidth_gbs * 1e3), _LAUNCH_US)
         sample_us = max(call_us, 20.0)
         for backend in (b for b in backends if offered(case.op, b, case.shape)):
-            first, later = FIRST_CALL_S.get(backend, (1.0, 0.5))
+            first, later = _FIRST_CALL_S.get(backend, (1.0, 0.5))
             key = (backend, case.op, tuple(case.shape.items()))
             if key not in compiled:   # a shape seen before (warm, then rotated) compiles once
                 seconds += later if backend in seen else first

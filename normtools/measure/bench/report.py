@@ -11,7 +11,7 @@ BANDWIDTH_TARGETS = (("rms_norm", 2048, 90.0), ("rms_norm_fwd_bwd", 2048, 80.0),
 SPEEDUP_BASELINES = ("torch-compile", "liger")
 
 
-def case_label(row):
+def _case_label(row):
     """The shape, plus the regime and cache state of a real-shape row: "M=64 N=4096, decode,
     warm" (a decode shape is timed twice, with warm and with rotated inputs)."""
     label = shape_label(row["shape"])
@@ -28,7 +28,7 @@ def targets_report(data):
       N ≥ 2048, rms_norm_fwd_bwd ≥ 80 % for N ≥ 2048, qk_norm_per_head ≥ 80 %;
       on the synthetic cases (a real shape's decode step is launch-bound by nature);
     * speedup = p50(baseline) / p50(normtools-triton) ≥ 1.0 against torch-compile and liger, on
-      every op and shape where both ran, real shapes included (``case_label``).
+      every op and shape where both ran, real shapes included (``_case_label``).
 
     Returns a list of rows {target, op, shape, measured, threshold, passed}; ``passed`` is None
     when the needed measurement is missing (backend skipped or failed), with the reason in
@@ -38,9 +38,9 @@ def targets_report(data):
         data = _read_json(data)
     ok = {}
     for row in data["results"]:
-        ok[(row["op"], case_label(row), row["backend"])] = row
+        ok[(row["op"], _case_label(row), row["backend"])] = row
     report = []
-    cases = {(row["op"], case_label(row)): row for row in data["results"]}
+    cases = {(row["op"], _case_label(row)): row for row in data["results"]}
     for (op, label), case in cases.items():
         shape, synthetic = case["shape"], case.get("phase") != "real shapes"
         ours = ok.get((op, label, "normtools-triton"))
@@ -97,7 +97,7 @@ def markdown_summary(data):
               "|---|---|" + "---|" * len(backends)]
     cases = {}
     for row in data["results"]:
-        cases.setdefault((row["op"], case_label(row)), {})[row["backend"]] = row
+        cases.setdefault((row["op"], _case_label(row)), {})[row["backend"]] = row
     for (op, label), by_backend in cases.items():
         cells = []
         for b in backends:
