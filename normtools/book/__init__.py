@@ -1,5 +1,8 @@
-"""The book's own helpers, not part of the library: notebook setup and glue (``notebook``),
-executing and stripping chapters (``build``), the glossary (``glossary``) and the small
-computations behind particular chapters (``analysis``, ``solution``). Sits on top of every
-other layer; nothing in normtools imports it.
+"""The book's own helpers, not part of the library: notebook setup and glue (``notebook``), each
+chapter's experiment sizes (``sizes``), executing and stripping chapters (``build``), the Colab
+edition (``colab``), the mermaid diagrams rendered to SVG (``diagrams``), the glossary
+(``glossary``), and the small computations behind particular chapters: what each QK-Norm scope
+normalizes (``qk_norm_scopes``), moving a norm's scale between offset conventions
+(``scale_offset``) and per-layer QK-Norm computed shard by shard without communication
+(``sharded_qk_norm``). Sits on top of every other layer; nothing in normtools imports it.
 """

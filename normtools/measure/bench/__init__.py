@@ -46,8 +46,8 @@ the target ops, the bundled models' real shapes (prefill and decode, warm and ro
 then the full sweep, every synthetic case ≥ 256 MiB; each row records its phase, regime,
 batch, tokens per sequence and cache state. ``--dry-run`` prints the plan with its estimate.
 
-Modules, in the order of a run: ``plan`` (ops, backends, shapes, inputs), ``traffic`` (the
-minimum bytes of each op), ``cases`` (the cases of a GPU run and their time estimate),
+Modules, in the order of a run: ``shapes`` (ops, backends, shapes, inputs), ``minimum_bytes``
+(the minimum bytes of each op), ``cases`` (the cases of a GPU run and their time estimate),
 ``backends`` (one callable per op and backend), ``timing`` (rotated inputs, timers,
 percentiles, copy bandwidth), ``sweep`` (the cases of a run), ``peers`` (concurrency: K
 processes timing each case at once, ``--processes K``), ``results`` (JSON in and out),
