@@ -3,8 +3,9 @@
 The model's norm spec (``normtools.cards.from_hf_config(model.config)``) decides every choice:
 each block norm, the final norm, the QK-Norm modules and the other norms (DeepSeek-V3's latent
 norms) become a ``normtools.RMSNorm(dim, eps, offset=..., casting=...)`` (or a
-``normtools.LayerNorm`` for a LayerNorm without bias computed in float32, as Cohere's), with the
-weights copied and ``.backend`` set. The HF attention modules keep calling ``self.q_norm(...)``
+``normtools.LayerNorm`` for a LayerNorm without bias computed in float32, as Cohere's), holding
+the old module's parameter objects (their ``requires_grad``, and an optimizer's references to
+them, are unchanged) and its hooks, with ``.backend`` set. The HF attention modules keep calling ``self.q_norm(...)``
 on the same tensors, so a per_head norm (weight ``(head_dim,)``) still sees the
 ``(..., H, head_dim)`` view and a per_layer norm (weight ``(H*head_dim,)``) the flat projection.
 
@@ -76,7 +77,7 @@ def patch(model, backend="auto", *, fuse_qk_rope=False):
 # ----------------------------------------------------------------------------- QK-Norm + RoPE
 
 @dataclasses.dataclass(frozen=True)
-class FusedAttention:
+class _FusedAttention:
     """How one attention class is fused: the sha256 (first 16 hex digits) of the source of the
     transformers forward that ``_fused_attention_forward`` restates, its QK-Norm scope, whether
     that forward passes ``sliding_window`` to the attention function, and whether its
@@ -92,11 +93,11 @@ class FusedAttention:
 # projection; Qwen3: on (B, S, H, D); Gemma 3: on (B, H, S, D)) → apply_rotary_pos_emb → cache
 # update → attention function → o_proj.
 FUSABLE_ATTENTION = {
-    "Qwen3Attention": FusedAttention("648a188563d3f5ea", "per_head", sliding_window=True,
+    "Qwen3Attention": _FusedAttention("648a188563d3f5ea", "per_head", sliding_window=True,
                                      cast_back=False),
-    "Olmo2Attention": FusedAttention("4c62a7cb133a0250", "per_layer", sliding_window=False,
+    "Olmo2Attention": _FusedAttention("4c62a7cb133a0250", "per_layer", sliding_window=False,
                                      cast_back=True),
-    "Gemma3Attention": FusedAttention("bad1000e691e807e", "per_head", sliding_window=True,
+    "Gemma3Attention": _FusedAttention("bad1000e691e807e", "per_head", sliding_window=True,
                                       cast_back=False),
 }
 
@@ -106,7 +107,7 @@ def _source_sha256(cls):
 
 
 def _fusable_attentions(model, problems):
-    """(attention module, FusedAttention) of every layer; appends to ``problems`` why not."""
+    """(attention module, _FusedAttention) of every layer; appends to ``problems`` why not."""
     found = []
     for name, module in model.named_modules():
         if not (hasattr(module, "q_norm") and hasattr(module, "q_proj")):
@@ -218,17 +219,33 @@ def _check(model, swap) -> list:
         problems.append(f"{swap.name} has eps {_eps_of(module)}, the spec says {norm.eps}")
     if (getattr(module, "bias", None) is not None) != norm.bias:
         problems.append(f"{swap.name} bias does not match the spec (bias={norm.bias})")
+    if "forward" in vars(module) or hasattr(module, "_hf_hook"):
+        problems.append(f"{swap.name} has its forward replaced (an accelerate hook or a monkey "
+                        f"patch), which a new module cannot carry")
     return problems
 
 
+# The hook registries of an nn.Module. patch hands the old module's dicts themselves to the new
+# module, so hooks keep firing and the handles a user holds still remove them.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+               "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
 def _normtools_module(norm: NormSpec, old):
-    """The normtools module computing ``norm``, holding a copy of ``old``'s parameters."""
+    """The normtools module computing ``norm`` with ``old``'s own parameter objects (so their
+    ``requires_grad`` and an optimizer built before ``patch`` still apply) and its hooks."""
     weight = old.weight
-    kwargs = dict(device=weight.device, dtype=weight.dtype)
     if norm.kind == "rms":
-        new = RMSNorm(weight.shape[0], norm.eps, offset=norm.offset, casting=norm.casting, **kwargs)
+        new = RMSNorm(weight.shape[0], norm.eps, offset=norm.offset, casting=norm.casting, device="meta")
     else:
-        new = LayerNorm(weight.shape[0], norm.eps, bias=norm.bias, **kwargs)
-    new.load_state_dict(old.state_dict())
+        new = LayerNorm(weight.shape[0], norm.eps, bias=norm.bias, device="meta")
+    new.weight = weight
+    if norm.bias:
+        new.bias = old.bias
+    for hooks in _HOOK_DICTS:
+        setattr(new, hooks, getattr(old, hooks))
+    new._is_full_backward_hook = old._is_full_backward_hook
     new.train(old.training)
     return new
