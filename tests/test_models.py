@@ -17,8 +17,8 @@ import pytest
 import torch
 
 import normtools
-from normtools.lab.tinylm import (PLACEMENT_NAMES, RELATED_PLACEMENTS, DyT, SphereNorm, TinyLM,
-                                  TinyLMConfig, block_equation, set_backend)
+from normtools.lab.blocks import PLACEMENT_NAMES, RELATED_PLACEMENTS, block_equation
+from normtools.lab.tinylm import DyT, SphereNorm, TinyLM, TinyLMConfig, set_backend
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

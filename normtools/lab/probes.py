@@ -45,7 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from normtools.lab.tinylm import PLACEMENT_NAMES, TinyLM, causal_mask
+from normtools.lab.blocks import PLACEMENT_NAMES
+from normtools.lab.tinylm import TinyLM, causal_mask
 
 PROBE_ATTENTION = "normtools_probe"
 

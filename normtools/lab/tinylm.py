@@ -1,23 +1,10 @@
 """TinyLM: a small causal decoder with every norm placement, for the stability lab.
 
-Read it top to bottom like nanoGPT. One block, for each ``placement`` (N is the configured
-norm, RMSNorm or LayerNorm; every N is a separate module with its own weight):
-
-    post           x = N(x + Attn(x));        x = N(x + MLP(x))          (original Transformer)
-    pre            x = x + Attn(N(x));        x = x + MLP(N(x))          (GPT-2, Llama)
-    sandwich       x = x + N(Attn(N(x)));     x = x + N(MLP(N(x)))       (Gemma 2/3, Peri-LN)
-    post_sublayer  x = x + N(Attn(x));        x = x + N(MLP(x))          (OLMo 2)
-    parallel       x = x + Attn(N(x)) + MLP(N(x)), one shared N           (GPT-J, Cohere, Phi)
-    none           x = x + Attn(x);           x = x + MLP(x)
-
-The designs of chapter 7 ("Related") add five placements (:data:`RELATED_PLACEMENTS`) and one
-norm kind:
-
-    deepnorm  x = N(α·x + Attn(x));  x = N(α·x + MLP(x))                  (DeepNet, GLM-130B)
-    admin     x = N(ω_attn ⊙ x + Attn(x));  x = N(ω_mlp ⊙ x + MLP(x))      (Admin)
-    mix_ln    post in the first ⌊post_ln_fraction · depth⌋ layers, pre in the others  (Mix-LN)
-    lns       x = x + Attn(N(x)/√ℓ);  x = x + MLP(N(x)/√ℓ)     (LayerNorm Scaling, ℓ = 1..depth)
-    ngpt      x = S(x + α_A ⊙ (S(Attn(x)) − x));  x = S(x + α_M ⊙ (S(MLP(x)) − x))   (nGPT)
+Read it top to bottom like nanoGPT. The block of each ``placement`` (post, pre, sandwich,
+post_sublayer, parallel, none, and chapter 7's deepnorm, admin, mix_ln, lns and ngpt) is one
+short function in :mod:`normtools.lab.blocks`, with its equation; :class:`Block` runs it on
+tensors. N is the configured norm (RMSNorm, LayerNorm or ``dyt``). What the designs of chapter 7
+add to the model:
 
 * DeepNorm (Wang et al. 2022, decoder-only constants): α = (2·depth)^(1/4), and the init std of
   ``v_proj``, ``o_proj`` and the MLP's three projections is multiplied by β = (8·depth)^(−1/4).
@@ -51,11 +38,6 @@ norm kind:
   scalar (init ``dyt_alpha``), in place of every block norm and the final norm (QK-Norm stays
   an RMSNorm).
 
-The block is written once, in :func:`block_program`, over a small set of operations (norm,
-sublayer, add, assign). The forward pass runs it on tensors; :func:`block_equation` runs the
-very same function on strings to print the equation, so the printed form cannot drift from
-what the model computes.
-
 Attention: causal, grouped-query (``kv_heads`` ≤ ``heads``), rotary positions (RoPE, rotate-half
 convention as in Llama) and explicit logits ``s = q kᵀ / √d`` (no fused kernel), so the probes
 can read them: set ``attn.keep_logits = True`` and the pre-mask logits of the last forward pass
@@ -88,12 +70,9 @@ from normtools.core.ops import rms_norm
 from normtools.core.qk import QKNorm
 from normtools.core.reference import rope_reference, rope_tables
 from normtools.core import _validate
+from normtools.lab.blocks import (PLACEMENT_NAMES, RELATED_PLACEMENTS, block_equation, block_program,
+                                  norm_names)
 
-PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
-#: The placements of chapter 7 ("Related"); ``mix_ln`` mixes two of the above across layers.
-RELATED_PLACEMENTS = ("deepnorm", "admin", "mix_ln", "lns", "ngpt")
-#: What one block can be (``mix_ln`` is not one: each of its layers is ``post`` or ``pre``).
-BLOCK_PLACEMENTS = PLACEMENT_NAMES + ("deepnorm", "admin", "lns", "ngpt")
 NORM_NAMES = ("rms", "layer", "dyt")
 QK_NORM_SCOPES = ("none", "per_head", "per_layer")
 
@@ -131,9 +110,9 @@ class TinyLMConfig:
     ngpt_alpha: float = 0.05          # ngpt: initial eigen learning rates α_A, α_M
 
     def __post_init__(self):
-        _check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
-        _check_choice("norm", self.norm, NORM_NAMES)
-        _check_choice("qk_norm", self.qk_norm, QK_NORM_SCOPES)
+        _validate.check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
+        _validate.check_choice("norm", self.norm, NORM_NAMES)
+        _validate.check_choice("qk_norm", self.qk_norm, QK_NORM_SCOPES)
         if self.width % self.heads:
             raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
         if self.head_dim % 2:
@@ -158,7 +137,7 @@ class TinyLMConfig:
     @classmethod
     def from_size(cls, size: str, **overrides) -> "TinyLMConfig":
         """A preset from :data:`SIZES` ("test", "cpu", "gpu") with any field overridden."""
-        _check_choice("size", size, tuple(SIZES))
+        _validate.check_choice("size", size, tuple(SIZES))
         return cls(**{**SIZES[size], **overrides})
 
     def replace(self, **changes) -> "TinyLMConfig":
@@ -200,137 +179,6 @@ def deepnorm_constants(depth: int) -> tuple[float, float]:
     """DeepNorm's (α, β) for a decoder-only stack of ``depth`` layers (Wang et al. 2022, table
     1): residual weight α = (2·depth)^(1/4), init gain β = (8·depth)^(−1/4)."""
     return (2 * depth) ** 0.25, (8 * depth) ** -0.25
-
-
-def _check_choice(name, value, choices):
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; expected one of {', '.join(choices)}")
-
-
-# ----------------------------------------------------------------------------------------------
-# The block, written once
-
-
-def block_program(placement: str, x, ops):
-    """One Transformer block for ``placement``, over the operations that ``ops`` provides:
-
-    ``ops.norm(name, v)``   the norm called ``name`` applied to v
-    ``ops.sublayer(f, v)``  the attention (f="attn") or MLP (f="mlp") sublayer applied to v
-    ``ops.add(*terms)``     the sum of the terms (a residual connection)
-    ``ops.assign(v)``       the new value of the residual stream x
-    ``ops.scale(c, v)``     v times the block's constant ``c``: "alpha" (DeepNorm's α) or
-                            "depth" (LayerNorm Scaling's 1/√ℓ)
-    ``ops.step(f, x, h)``   x + α_f ⊙ (h − x), nGPT's step towards h with learned α_f
-    ``ops.weigh(f, v)``     ω_f ⊙ v, Admin's learned residual weight of sublayer f
-
-    Norm names: ``attn_in``/``mlp_in`` normalize a sublayer's input, ``attn_out``/``mlp_out``
-    its output, ``attn_res``/``mlp_res`` the residual sum; ``in`` is the parallel block's
-    shared norm. ``placement`` is one of :data:`BLOCK_PLACEMENTS`.
-    """
-    _check_choice("placement", placement, BLOCK_PLACEMENTS)
-    if placement == "parallel":
-        h = ops.norm("in", x)
-        return ops.assign(ops.add(x, ops.sublayer("attn", h), ops.sublayer("mlp", h)))
-    for f in ("attn", "mlp"):
-        if placement == "ngpt":
-            h = ops.norm(f"{f}_out", ops.sublayer(f, x))
-            x = ops.assign(ops.norm(f"{f}_res", ops.step(f, x, h)))
-            continue
-        if placement == "admin":
-            h = ops.sublayer(f, x)
-            x = ops.assign(ops.norm(f"{f}_res", ops.add(ops.weigh(f, x), h)))
-            continue
-        h = ops.norm(f"{f}_in", x) if placement in ("pre", "sandwich", "lns") else x
-        if placement == "lns":
-            h = ops.scale("depth", h)
-        h = ops.sublayer(f, h)
-        if placement in ("sandwich", "post_sublayer"):
-            h = ops.norm(f"{f}_out", h)
-        x = ops.add(ops.scale("alpha", x) if placement == "deepnorm" else x, h)
-        if placement in ("post", "deepnorm"):
-            x = ops.norm(f"{f}_res", x)
-        x = ops.assign(x)
-    return x
-
-
-class _EquationOps:
-    """Runs :func:`block_program` on strings: each assignment becomes one line."""
-
-    def __init__(self, fmt: str):
-        _check_choice("fmt", fmt, ("text", "latex"))
-        self.fmt = fmt
-        self.lines: list[str] = []
-        self.norm_names: list[str] = []
-
-    def norm(self, name, v):
-        self.norm_names.append(name)
-        if self.fmt == "latex":
-            return rf"\mathrm{{N}}_{{\mathrm{{{name.replace('_', ',')}}}}}\left({v}\right)"
-        return f"N_{name}({v})"
-
-    def sublayer(self, f, v):
-        label = {"attn": "Attn", "mlp": "MLP"}[f]
-        return rf"\mathrm{{{label}}}\left({v}\right)" if self.fmt == "latex" else f"{label}({v})"
-
-    def add(self, *terms):
-        return " + ".join(terms)
-
-    def assign(self, v):
-        self.lines.append(rf"x &\leftarrow {v}" if self.fmt == "latex" else f"x = {v}")
-        return "x"
-
-    def scale(self, c, v):
-        if self.fmt == "latex":
-            return {"alpha": rf"\alpha\, {v}", "depth": rf"\tfrac{{1}}{{\sqrt{{\ell}}}}\, {v}"}[c]
-        return {"alpha": f"α·{v}", "depth": f"{v}/√ℓ"}[c]
-
-    def step(self, f, x, h):
-        if self.fmt == "latex":
-            return rf"{x} + \alpha_{{\mathrm{{{f}}}}} \odot \left({h} - {x}\right)"
-        return f"{x} + α_{f} ⊙ ({h} − {x})"
-
-    def weigh(self, f, v):
-        if self.fmt == "latex":
-            return rf"\omega_{{\mathrm{{{f}}}}} \odot {v}"
-        return f"ω_{f} ⊙ {v}"
-
-
-def _program_lines(placement: str, fmt: str) -> list[str]:
-    ops = _EquationOps(fmt)
-    block_program(placement, "x", ops)
-    return ops.lines
-
-
-def block_equation(config: TinyLMConfig, fmt: str = "text", layer: int | None = None) -> str:
-    """The block equation of ``config.placement``, from the same :func:`block_program` that
-    the forward pass runs. ``fmt="text"`` gives one assignment per line; ``fmt="latex"`` an
-    ``aligned`` environment. N is ``config.norm`` (RMSNorm, LayerNorm or DyT).
-
-    ``mix_ln``'s layers differ: ``layer`` picks one; without it both forms are given, each
-    after a line naming its layers (``layers 0-0 (post):``)."""
-    if config.placement == "mix_ln" and layer is None:
-        n_post, parts = config.post_ln_layers, []
-        for placement, first, last in (("post", 0, n_post - 1), ("pre", n_post, config.depth - 1)):
-            if first <= last:
-                head = f"layers {first}-{last} ({placement})"
-                parts.append(rf"&\text{{{head}:}}" if fmt == "latex" else f"{head}:")
-                parts += _program_lines(placement, fmt)
-    else:
-        parts = _program_lines(config.layer_placement(layer or 0), fmt)
-    if fmt == "latex":
-        return r"\begin{aligned}" + r" \\ ".join(parts) + r"\end{aligned}"
-    return "\n".join(parts)
-
-
-def norm_names(placement: str) -> list[str]:
-    """The names of the norms a block of this placement uses, in the order it applies them."""
-    ops = _EquationOps("text")
-    block_program(placement, "x", ops)
-    return ops.norm_names
-
-
-# ----------------------------------------------------------------------------------------------
-# Modules
 
 
 class DyT(nn.Module):
@@ -477,7 +325,8 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """One decoder layer: ``self_attn``, ``mlp`` and the norms its placement names.
+    """One decoder layer: ``self_attn``, ``mlp`` and the norms its placement names. It is the
+    ``ops`` of its placement's block function (:data:`normtools.lab.blocks.BLOCKS`) on tensors.
 
     ``layer`` (0-based) sets the placement of a ``mix_ln`` layer and LayerNorm Scaling's
     ``scales["depth"]`` = 1/√(layer + 1); ``scales["alpha"]`` is DeepNorm's α; an ``ngpt``
