@@ -12,6 +12,7 @@ import torch
 
 import normtools
 from normtools.core import tp
+from normtools.measure import distributed, tp_qk_norm
 
 MAX_REL_ERR = 1e-5
 HEAD_DIM = 8
@@ -91,11 +92,11 @@ def sharded_runs(request):
     """(world size, [(case, reference, per-rank results)], demo (results, full)) from one spawn."""
     world_size = request.param
     built = [build_case(world_size, case, seed=i) for i, case in enumerate(CASES[world_size])]
-    calls = [(tp.run_sharded_qk_norm, (shards,), options) for shards, _, options in built]
-    demo_shards, demo_full = tp.demo_inputs(world_size, num_heads=8, num_kv_heads=1)
-    calls.append((tp.run_sharded_qk_norm, (demo_shards,),
+    calls = [(tp_qk_norm.run_sharded_qk_norm, (shards,), options) for shards, _, options in built]
+    demo_shards, demo_full = tp_qk_norm.demo_inputs(world_size, num_heads=8, num_kv_heads=1)
+    calls.append((tp_qk_norm.run_sharded_qk_norm, (demo_shards,),
                   dict(head_dim=16, scope="per_layer", backend="torch")))
-    per_rank = tp.spawn(tp.run_all, world_size, calls)
+    per_rank = distributed.spawn(distributed.run_all, world_size, calls)
     runs = [(case, reference, [per_rank[r][i] for r in range(world_size)])
             for i, (case, (_, reference, _)) in enumerate(zip(CASES[world_size], built))]
     demo = [per_rank[r][-1] for r in range(world_size)]
@@ -131,8 +132,8 @@ def test_sharded_equals_single_process(sharded_runs):
 def test_nccl_two_gpus():
     for case in CASES[2]:
         shards, ref, options = build_case(2, case)
-        results = tp.spawn(tp.run_sharded_qk_norm, 2, shards, dist_backend="nccl",
-                           device="cuda", **options)
+        results = distributed.spawn(tp_qk_norm.run_sharded_qk_norm, 2, shards,
+                                    dist_backend="nccl", device="cuda", **options)
         check_against_single_process(2, case, ref, results)
 
 
@@ -148,7 +149,7 @@ def test_naive_per_shard_normalization_is_wrong(sharded_runs):
     """Normalizing each shard on its own gives a different per_layer result (the all-reduced
     one matches); per_head shards are independent, so there the two agree."""
     world_size, runs, (demo, demo_full) = sharded_runs
-    errors = tp.demo_errors(demo, demo_full, head_dim=16)
+    errors = tp_qk_norm.demo_errors(demo, demo_full, head_dim=16)
     assert errors["allreduce_q"] <= MAX_REL_ERR and errors["allreduce_k"] <= MAX_REL_ERR
     assert errors["naive_q"] > 1e-2
     for (name, scope, *_), _, results in runs:

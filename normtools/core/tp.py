@@ -42,17 +42,13 @@ single-device dx. Likewise the weight gradients of the copies add up to the sing
 (what a trainer does for any replicated parameter). ``unshard_columns(..., combine="sum")``
 performs these sums when checking against one process.
 
-Notebook use. ``spawn`` runs a module-level function on P gloo processes (file:// rendezvous)
-and returns each rank's result; ``compare_naive_vs_allreduce`` is the whole demonstration.
+Running it: ``normtools.measure.distributed.spawn`` starts P gloo processes;
+``normtools.measure.tp_qk_norm`` holds the naive-versus-all-reduce demonstration. Under
+PyTorch's DTensor engine, ``normtools.core.tp_dtensor.QKNormParallel`` calls ``qk_norm``.
 """
-
-import multiprocessing
-import os
-import tempfile
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from normtools.core import qk as _qk
 from normtools.core.launcher import as_rows
@@ -64,12 +60,6 @@ __all__ = [
     "shard_columns",
     "unshard_columns",
     "qk_norm",
-    "spawn",
-    "run_all",
-    "run_sharded_qk_norm",
-    "demo_inputs",
-    "demo_errors",
-    "compare_naive_vs_allreduce",
 ]
 
 
@@ -213,148 +203,3 @@ def qk_norm(q_shard, k_shard, q_weight_shard, k_weight_shard, eps=1e-6, *, head_
     qy, ky = _PerLayerQKNorm.apply(q2d, k2d, q_weight_shard, k_weight_shard, float(eps),
                                    float(offset), casting, group)
     return qy.view(q_shard.shape), ky.view(k_shard.shape)
-
-
-# ----------------------------------------------------------------------------- processes
-
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "reduce")
-
-
-class _CountCollectives:
-    """Context manager counting calls of torch.distributed collectives made inside it."""
-
-    def __enter__(self):
-        self.count, self._saved = 0, {}
-        for name in _COLLECTIVES:
-            original = self._saved[name] = getattr(dist, name)
-
-            def counted(*args, _original=original, **kwargs):
-                self.count += 1
-                return _original(*args, **kwargs)
-            setattr(dist, name, counted)
-        return self
-
-    def __exit__(self, *exc):
-        for name, original in self._saved.items():
-            setattr(dist, name, original)
-
-
-def _run_rank(rank, fn, world_size, dist_backend, init_method, out_dir, args, kwargs):
-    """Body of one spawned process: join the process group, run fn, save its result."""
-    torch.set_num_threads(1)
-    if dist_backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(dist_backend, init_method=init_method, rank=rank,
-                            world_size=world_size)
-    try:
-        torch.save(fn(rank, world_size, *args, **kwargs), os.path.join(out_dir, f"{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def spawn(fn, world_size, *args, dist_backend="gloo", **kwargs):
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` processes joined in a
-    ``dist_backend`` process group (gloo: CPU; nccl: GPU ``rank`` per process) and return the
-    list of results by rank.
-
-    ``fn`` must be a module-level function (it is imported in the workers, not copied), so this
-    works from a notebook. The workers are forked from multiprocessing's fork server, which
-    imports torch and normtools once (``set_forkserver_preload``) and is reused by later
-    calls; results travel back through ``torch.save``.
-    """
-    multiprocessing.set_forkserver_preload([__name__])
-    with tempfile.TemporaryDirectory() as out_dir:
-        init_method = "file://" + os.path.join(out_dir, "rendezvous")
-        mp.start_processes(_run_rank, nprocs=world_size, join=True, start_method="forkserver",
-                           args=(fn, world_size, dist_backend, init_method, out_dir, args, kwargs))
-        return [torch.load(os.path.join(out_dir, f"{rank}.pt"), map_location="cpu")
-                for rank in range(world_size)]
-
-
-def run_all(rank, world_size, calls):
-    """Per-rank worker (for ``spawn``) running several workers in one process group:
-    ``calls`` is a list of (fn, args, kwargs); returns the list of their results."""
-    return [fn(rank, world_size, *args, **kwargs) for fn, args, kwargs in calls]
-
-
-def run_sharded_qk_norm(rank, world_size, shards, device="cpu", **options):
-    """Per-rank worker (for ``spawn``): TP QK-Norm forward and backward of ``shards[rank]``
-    (on ``device``; "cuda" means this rank's GPU).
-
-    A shard is a dict with q, k, q_weight, k_weight and the upstream gradients dq_out, dk_out;
-    ``options`` go to ``qk_norm`` (head_dim, scope, eps, offset, casting, backend). Returns
-    the outputs, the gradients of q, k and both weights, the naive output (each shard
-    normalized on its own with the same scope), and ``collectives``, the number of
-    torch.distributed collectives that the TP call (forward and backward) made.
-    """
-    device = f"cuda:{rank}" if device == "cuda" else device
-    shard = {name: t.to(device) for name, t in shards[rank].items()}
-    leaves = {name: shard[name].clone().requires_grad_()
-              for name in ("q", "k", "q_weight", "k_weight")}
-    with _CountCollectives() as counter:
-        q_out, k_out = qk_norm(leaves["q"], leaves["k"], leaves["q_weight"], leaves["k_weight"],
-                               **options)
-        loss = (q_out.float() * shard["dq_out"]).sum() + (k_out.float() * shard["dk_out"]).sum()
-        loss.backward()
-    naive_q, naive_k = _qk.qk_norm(shard["q"], shard["k"], shard["q_weight"], shard["k_weight"],
-                                   **options)
-    return {"q_out": q_out.detach(), "k_out": k_out.detach(), "naive_q_out": naive_q,
-            "naive_k_out": naive_k, "collectives": counter.count,
-            **{f"d{name}": leaf.grad for name, leaf in leaves.items()}}
-
-
-def _max_rel_err(actual, expected):
-    return ((actual.double() - expected.double()).abs().max() /
-            expected.double().abs().max()).item()
-
-
-def demo_inputs(world_size, *, tokens=4, num_heads=8, num_kv_heads=2, head_dim=16, seed=0):
-    """Random float32 per_layer q/k (T, H·D) and weights, cut into per-rank shards.
-
-    Returns (shards, full): ``shards`` is the argument of ``run_sharded_qk_norm`` (zero
-    upstream gradients), ``full`` the dict of whole tensors."""
-    gen = torch.Generator().manual_seed(seed)
-    full = {"q": torch.randn(tokens, num_heads * head_dim, generator=gen),
-            "k": 3 * torch.randn(tokens, num_kv_heads * head_dim, generator=gen),
-            "q_weight": 1 + 0.1 * torch.randn(num_heads * head_dim, generator=gen),
-            "k_weight": 1 + 0.1 * torch.randn(num_kv_heads * head_dim, generator=gen)}
-    shards = []
-    for rank in range(world_size):
-        cut = {"head_dim": head_dim, "world_size": world_size, "rank": rank}
-        shard = {name: shard_columns(full[name], num_heads=heads, **cut)
-                 for name, heads in (("q", num_heads), ("k", num_kv_heads),
-                                     ("q_weight", num_heads), ("k_weight", num_kv_heads))}
-        shard["dq_out"] = torch.zeros_like(shard["q"])
-        shard["dk_out"] = torch.zeros_like(shard["k"])
-        shards.append(shard)
-    return shards, full
-
-
-def demo_errors(results, full, *, head_dim=16, eps=1e-6):
-    """Max relative errors, against single-process per_layer QK-Norm of ``full``, of the naive
-    (each shard on its own) and all-reduced outputs in ``results`` (from
-    ``run_sharded_qk_norm`` on ``demo_inputs`` shards)."""
-    world_size = len(results)
-    refs = _qk.qk_norm(full["q"], full["k"], full["q_weight"], full["k_weight"], eps,
-                       head_dim=head_dim, scope="per_layer", backend="torch")
-    errors = {}
-    for method, key in (("naive", "naive_{}_out"), ("allreduce", "{}_out")):
-        for name, ref in zip(("q", "k"), refs):
-            whole = unshard_columns([r[key.format(name)] for r in results], head_dim=head_dim,
-                                    num_heads=ref.shape[-1] // head_dim, world_size=world_size)
-            errors[f"{method}_{name}"] = _max_rel_err(whole, ref)
-    return errors
-
-
-def compare_naive_vs_allreduce(world_size=2, *, tokens=4, num_heads=8, num_kv_heads=2,
-                               head_dim=16, eps=1e-6, seed=0):
-    """Spawn ``world_size`` gloo processes, run per_layer QK-Norm on column-parallel shards of
-    q and k, and return the max relative errors against the single-process result of the
-    naive version (each shard normalized on its own) and of the all-reduced one:
-    ``{"naive_q", "naive_k", "allreduce_q", "allreduce_k"}`` (float32)."""
-    shards, full = demo_inputs(world_size, tokens=tokens, num_heads=num_heads,
-                               num_kv_heads=num_kv_heads, head_dim=head_dim, seed=seed)
-    results = spawn(run_sharded_qk_norm, world_size, shards, head_dim=head_dim,
-                    scope="per_layer", eps=eps, backend="torch")
-    return demo_errors(results, full, head_dim=head_dim, eps=eps)
