@@ -14,7 +14,8 @@ from normtools.book import qk_norm_scopes
 from normtools.lab import amplifier_chain, probes, tinylm_from_spec
 from normtools.measure import bench, op_costs, rms_vs_layer_norm
 from normtools import cards
-from normtools.lab.tinylm import TinyLM, block_equation
+from normtools.lab.blocks import block_equation
+from normtools.lab.tinylm import TinyLM
 
 
 # ------------------------------------------------------------------ RMSNorm against LayerNorm

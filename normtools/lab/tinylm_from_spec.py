@@ -4,7 +4,8 @@ renders (:func:`block_equation_from_spec`), with each norm symbol named by the m
 its weight in the model (:func:`norm_legend`).
 """
 
-from normtools.lab.tinylm import TinyLMConfig, block_equation, norm_names
+from normtools.lab.blocks import block_equation, norm_names
+from normtools.lab.tinylm import TinyLMConfig
 
 #: ModelNormSpec QK-Norm scopes → TinyLM's (TinyLM keeps one weight per feature either way).
 _QK_SCOPE = {"none": "none", "per_head": "per_head", "per_head_weights": "per_head", "per_layer": "per_layer"}
