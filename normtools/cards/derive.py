@@ -16,7 +16,10 @@ def _transformers_config(config):
     if isinstance(config, dict):
         model_type = config.get("model_type")
         _check_supported(model_type)
-        unconfirmed = tuple(config.get("_unconfirmed", ()))
+        unconfirmed = config.get("_unconfirmed", [])
+        if not isinstance(unconfirmed, (list, tuple)) or not all(isinstance(k, str) for k in unconfirmed):
+            raise SpecError(f"_unconfirmed must be a list of config keys, got {str(unconfirmed)[:80]}")
+        unconfirmed = tuple(unconfirmed)
         values = {k: v for k, v in config.items() if not k.startswith("_") and k != "model_type"}
         try:
             config = AutoConfig.for_model(model_type, **values)
@@ -27,7 +30,32 @@ def _transformers_config(config):
     _check_supported(config.model_type)
     if config.model_type == "gemma3":  # multimodal wrapper: the norms live in the text model
         config = config.text_config
+    _check_sizes(config)
     return config, unconfirmed
+
+
+# The sizes a parameter count and a checkpoint check rely on; each, where the config has it,
+# must be an integer in [1, MAX_SIZE] (no published model comes within 100x of the bound).
+SIZE_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "head_dim", "intermediate_size", "moe_intermediate_size",
+               "num_local_experts", "n_routed_experts", "q_lora_rank", "kv_lora_rank")
+MAX_SIZE = 2**31 - 1
+
+
+def _check_sizes(c) -> None:
+    """:class:`SpecError` for a size that is not a positive integer up to ``MAX_SIZE``, or
+    attention heads that key/value heads do not divide."""
+    for field in SIZE_FIELDS:
+        value = getattr(c, field, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_SIZE:
+            raise SpecError(f"{c.model_type} config: {field} must be an integer in [1, {MAX_SIZE}], "
+                            f"got {str(value)[:40]}")
+    heads, kv_heads = getattr(c, "num_attention_heads", None), getattr(c, "num_key_value_heads", None)
+    if heads and kv_heads and heads % kv_heads:
+        raise SpecError(f"{c.model_type} config: num_key_value_heads {kv_heads} does not divide "
+                        f"num_attention_heads {heads}")
 
 
 def build_model(config, *, device=None):

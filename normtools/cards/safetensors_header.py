@@ -13,6 +13,7 @@ Every malformed header raises :class:`SafetensorsHeaderError` (a ``ValueError``)
 import json
 import math
 import os
+import stat
 import struct
 from dataclasses import dataclass
 
@@ -46,8 +47,18 @@ class TensorInfo:
 def read_header(path) -> dict:
     """Return ``{name: TensorInfo}`` for the safetensors file at ``path`` (header bytes only)."""
     path = os.fspath(path)
-    with open(path, "rb") as f:
+    with open_regular_file(path) as f:
         return read_header_from(f, os.fstat(f.fileno()).st_size, name=path)
+
+
+def open_regular_file(path):
+    """``path`` opened for binary reading, if it is a regular file; ``OSError`` if it is not (a
+    named pipe would block forever, a device never end). Opened without blocking, then checked."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(f"{path}: not a regular file (normtools reads no pipes, devices or sockets)")
+    return os.fdopen(fd, "rb")
 
 
 def read_header_from(f, file_size: int, name: str = "<stream>") -> dict:
@@ -70,7 +81,7 @@ def parse_header_json(raw: bytes, data_size: int, name: str = "<stream>") -> dic
     """Validate the JSON header ``raw`` against a data region of ``data_size`` bytes."""
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (ValueError, RecursionError) as e:  # bad UTF-8 or JSON, too deep, a 5,000-digit integer
         raise SafetensorsHeaderError(f"{name}: header is not valid UTF-8 JSON ({type(e).__name__})") from None
     if not isinstance(header, dict):
         raise SafetensorsHeaderError(f"{name}: header is a JSON {type(header).__name__}, not an object")
@@ -80,12 +91,16 @@ def parse_header_json(raw: bytes, data_size: int, name: str = "<stream>") -> dic
             if not isinstance(entry, dict) or not all(isinstance(v, str) for v in entry.values()):
                 raise SafetensorsHeaderError(f"{name}: __metadata__ must map strings to strings")
             continue
-        tensors[key] = _tensor_info(entry, data_size, f"{name}: tensor {key!r}")
+        tensors[key] = _tensor_info(entry, data_size, f"{name}: tensor {key[:100]!r}")
     return tensors
 
 
+MAX_DIMS = 64  # bounds a shape's element count below 2**(63·64): it prints, and compares fast
+
+
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A non-negative integer that fits safetensors' unsigned 64-bit fields."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
 def _tensor_info(entry, data_size: int, where: str) -> TensorInfo:
@@ -94,10 +109,12 @@ def _tensor_info(entry, data_size: int, where: str) -> TensorInfo:
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
     if not isinstance(dtype, str) or (dtype not in DTYPE_BYTES and dtype not in PACKED_DTYPES):
         raise SafetensorsHeaderError(f"{where}: unknown dtype {dtype!r}")
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-        raise SafetensorsHeaderError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+    if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
+        raise SafetensorsHeaderError(f"{where}: shape must be a list of at most {MAX_DIMS} integers in "
+                                     f"[0, 2**64), got {str(shape)[:80]}")
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_count(o) for o in offsets)):
-        raise SafetensorsHeaderError(f"{where}: data_offsets must be two non-negative integers, got {offsets!r}")
+        raise SafetensorsHeaderError(f"{where}: data_offsets must be two integers in [0, 2**64), "
+                                     f"got {str(offsets)[:80]}")
     begin, end = offsets
     if not begin <= end <= data_size:
         raise SafetensorsHeaderError(f"{where}: data_offsets {offsets} outside the {data_size}-byte data region")

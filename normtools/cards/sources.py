@@ -8,7 +8,7 @@ from importlib import resources
 from pathlib import Path
 
 from normtools.cards.derive import _PRE, _SANDWICH, from_hf_config
-from normtools.cards.safetensors_header import read_header
+from normtools.cards.safetensors_header import open_regular_file, read_header
 from normtools.cards.types import (CheckpointMismatchError, ModelNormSpec, ProjectionBiases, QKNormSpec,
                                    SpecError, diff)
 
@@ -27,12 +27,23 @@ _BIAS_PATTERNS = {
 _FINAL_NORM = re.compile(r"^(?:.*\.)?(norm|final_layernorm)\.(weight|bias)$")
 
 
+MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json and index files of published models are < 10 MB
+# A layer index has at most this many digits: more cannot be a model, and would make the reader
+# list (and allocate) that many missing layers.
+MAX_LAYER_DIGITS = 6
+
+
 def read_config_json(path) -> dict:
-    """The JSON object in the file ``path``; :class:`SpecError` if it is not one."""
+    """The JSON object in the regular file ``path`` (at most ``MAX_JSON_BYTES``); :class:`SpecError`
+    if it is not one (including nesting too deep to parse and integers of over 4,300 digits)."""
+    with open_regular_file(path) as f:
+        raw = f.read(MAX_JSON_BYTES + 1)
+    if len(raw) > MAX_JSON_BYTES:
+        raise SpecError(f"{path}: larger than {MAX_JSON_BYTES} bytes, not a config")
     try:
-        config = json.loads(Path(path).read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise SpecError(f"{path}: not valid JSON ({e})") from None
+        config = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise SpecError(f"{path}: not valid JSON ({str(e)[:200] or type(e).__name__})") from None
     if not isinstance(config, dict):
         raise SpecError(f"{path}: not a JSON object")
     return config
@@ -43,12 +54,17 @@ def read_checkpoint_tensors(path) -> dict:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise SpecError(f"{path}: no *.safetensors files")
+    if len(files) > 100_000:
+        raise SpecError(f"{path}: {len(files)} *.safetensors files, not a checkpoint")
     tensors = {}
     for file in files:
         tensors.update(read_header(file))
     index = Path(path) / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint: every tensor its index names must be there
         weight_map = read_config_json(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise SpecError(f"{index}: weight_map must map tensor names to file names, "
+                            f"got {str(weight_map)[:80]}")
         missing = sorted(set(weight_map) - set(tensors))
         if missing:
             raise SpecError(f"{path}: {len(missing)} tensors named in {index.name} are in no file "
@@ -88,12 +104,13 @@ def _observe(spec: ModelNormSpec, tensors: dict):
     if not layers:
         return spec, [f"no per-layer tensors (names like 'layers.0.*'); found {len(tensors)} tensors"]
     num_layers = max(layers) + 1
-    problems = [f"layer {i} has no tensors" for i in range(num_layers) if i not in layers]
+    problems = _missing_layers(sorted(layers))
     layer0 = layers[min(layers)]
     block, block_problems = _observe_block_norms(spec, layers)
     qk_norm, qk_problems = _observe_qk(spec, layer0)
     final_norm, final_problems = _observe_final_norm(spec, top)
     other_norms, other_problems = _observe_other_norms(spec, layer0, top)
+    other_problems = other_problems + _projection_problems(spec, layer0)
     biases = ProjectionBiases(**{
         key: any(re.fullmatch(pattern, s) for s in layer0) for key, pattern in _BIAS_PATTERNS.items()
     }, lm_head="lm_head.bias" in top)
@@ -112,11 +129,27 @@ def _observe(spec: ModelNormSpec, tensors: dict):
     return observed, problems + block_problems + qk_problems + final_problems + other_problems
 
 
+def _missing_layers(indices: list) -> list:
+    """One problem per run of layer indices absent below the largest of ``indices`` (sorted)."""
+    problems, expected = [], 0
+    for index in indices:
+        if index > expected:
+            first, last = expected, index - 1
+            problems.append(f"layer {first} has no tensors" if first == last else
+                            f"layers {first} to {last} have no tensors")
+        expected = index + 1
+    return problems
+
+
 def _split_layers(tensors: dict):
-    """({layer index: {name inside the layer: info}}, {other name: info})."""
+    """({layer index: {name inside the layer: info}}, {other name: info}); :class:`SpecError` for
+    a layer index of more than ``MAX_LAYER_DIGITS`` digits."""
     layers, top = {}, {}
     for name, info in tensors.items():
         m = _LAYER_NAME.match(name)
+        if m and len(m.group(1)) > MAX_LAYER_DIGITS:
+            raise SpecError(f"tensor {name[:100]!r}: a layer index of {len(m.group(1))} digits "
+                            f"(at most {MAX_LAYER_DIGITS})")
         if m:
             layers.setdefault(int(m.group(1)), {})[m.group(2)] = info
         else:
@@ -141,6 +174,27 @@ def _observe_block_norms(spec, layers):
         if missing:
             problems.append(f"layer {index} lacks {', '.join(missing)}")
     return block, problems
+
+
+# Attention projections whose (out, in) shape the config fixes: q has num_heads · head_dim rows,
+# k and v num_kv_heads · head_dim; checked for unpacked float tensors (a 4-bit tensor is packed).
+_PROJECTIONS = {"self_attn.q_proj.weight": "num_heads", "self_attn.k_proj.weight": "num_kv_heads",
+                "self_attn.v_proj.weight": "num_kv_heads"}
+_UNPACKED_FLOATS = {"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"}
+
+
+def _projection_problems(spec, layer0) -> list:
+    """Where the first layer's q/k/v projection shapes disagree with the config's head counts."""
+    problems = []
+    for name, heads in _PROJECTIONS.items():
+        info = layer0.get(name)
+        if info is None or info.dtype not in _UNPACKED_FLOATS:
+            continue
+        expected = (getattr(spec, heads) * spec.head_dim, spec.hidden_size)
+        if info.shape != expected:
+            problems.append(f"{name} has shape {info.shape}, config {heads} {getattr(spec, heads)} × "
+                            f"head_dim {spec.head_dim} and hidden_size {spec.hidden_size} give {expected}")
+    return problems
 
 
 def _observe_final_norm(spec, top):
