@@ -7,7 +7,7 @@ from normtools.cards.types import (SUPPORTED_MODEL_TYPES, ModelNormSpec, NormSpe
                                    ProjectionBiases, QKNormSpec, SpecError)
 
 
-def _transformers_config(config):
+def transformers_config(config):
     """(transformers config object of the text model, unconfirmed keys) from a config or dict."""
     from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig, PretrainedConfig
@@ -66,7 +66,7 @@ def build_model(config, *, device=None):
     import torch
     from transformers import AutoModel, AutoModelForCausalLM
 
-    config, _ = _transformers_config(config)
+    config, _ = transformers_config(config)
     auto = AutoModel if config.model_type == "bert" else AutoModelForCausalLM
     with torch.device(device) if device is not None else contextlib.nullcontext():
         return auto.from_config(config)
@@ -88,7 +88,7 @@ def from_hf_config(config) -> ModelNormSpec:
 
     An unknown ``model_type`` raises :class:`SpecError` naming the supported ones.
     """
-    c, unconfirmed = _transformers_config(config)
+    c, unconfirmed = transformers_config(config)
     family = FAMILY_RULES[c.model_type]
     fields = family(c)
     return ModelNormSpec(
@@ -107,8 +107,9 @@ def _rms(eps, casting, offset=0.0) -> NormSpec:
     return NormSpec("rms", float(eps), False, float(offset), casting)
 
 
-_PRE = ("input_layernorm", "post_attention_layernorm")
-_SANDWICH = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+PRE_NORMS = ("input_layernorm", "post_attention_layernorm")
+SANDWICH_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                  "post_feedforward_layernorm")
 _POST_SUBLAYER = ("post_attention_layernorm", "post_feedforward_layernorm")
 
 
@@ -119,13 +120,13 @@ def _attn_biases(c, mlp=False, **extra) -> ProjectionBiases:
 
 def _llama(c):
     norm = _rms(c.rms_norm_eps, "llama")
-    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm,
+    return dict(block_norm=norm, placement="pre", layer_norms=PRE_NORMS, final_norm=norm,
                 qk_norm=QKNormSpec(), biases=_attn_biases(c, mlp=bool(c.mlp_bias)))
 
 
 def _qwen3(c):
     norm = _rms(c.rms_norm_eps, "llama")
-    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm,
+    return dict(block_norm=norm, placement="pre", layer_norms=PRE_NORMS, final_norm=norm,
                 qk_norm=QKNormSpec("per_head", norm, True), biases=_attn_biases(c))
 
 
@@ -146,19 +147,19 @@ def _gemma_notes(c):
 
 def _gemma2(c):
     norm = _rms(c.rms_norm_eps, "gemma", offset=1.0)
-    return dict(block_norm=norm, placement="sandwich", layer_norms=_SANDWICH, final_norm=norm,
+    return dict(block_norm=norm, placement="sandwich", layer_norms=SANDWICH_NORMS, final_norm=norm,
                 qk_norm=QKNormSpec(), biases=_attn_biases(c), notes=_gemma_notes(c))
 
 
 def _gemma3(c):
     norm = _rms(c.rms_norm_eps, "gemma", offset=1.0)
-    return dict(block_norm=norm, placement="sandwich", layer_norms=_SANDWICH, final_norm=norm,
+    return dict(block_norm=norm, placement="sandwich", layer_norms=SANDWICH_NORMS, final_norm=norm,
                 qk_norm=QKNormSpec("per_head", norm, True), biases=_attn_biases(c), notes=_gemma_notes(c))
 
 
 def _gpt_oss(c):
     norm = _rms(c.rms_norm_eps, "gemma")
-    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm, qk_norm=QKNormSpec(),
+    return dict(block_norm=norm, placement="pre", layer_norms=PRE_NORMS, final_norm=norm, qk_norm=QKNormSpec(),
                 biases=_attn_biases(c, router=True, experts=True), attention_sinks=True,
                 notes=("one learned attention-sink logit per head joins each softmax",))
 
@@ -172,7 +173,7 @@ def _minimax_m2(c):
             f"use_qk_norm={getattr(c, 'use_qk_norm', None)!r}, qk_norm_type={getattr(c, 'qk_norm_type', None)!r}"
         )
     norm = _rms(c.rms_norm_eps, "llama")
-    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm,
+    return dict(block_norm=norm, placement="pre", layer_norms=PRE_NORMS, final_norm=norm,
                 qk_norm=QKNormSpec("per_layer", norm, True),
                 biases=ProjectionBiases(q=False, k=False, v=False, o=False, mlp=False),
                 notes=("router e_score_correction_bias is a buffer (not a parameter): it shifts expert "
@@ -204,7 +205,7 @@ def _deepseek_v3(c):
     others.append(OtherNorm("self_attn.kv_a_layernorm", True, c.kv_lora_rank, latent))
     b = bool(c.attention_bias)
     biases = ProjectionBiases(q=b and c.q_lora_rank is not None, k=b, v=b, o=b, mlp=False)
-    return dict(block_norm=norm, placement="pre", layer_norms=_PRE, final_norm=norm, qk_norm=QKNormSpec(),
+    return dict(block_norm=norm, placement="pre", layer_norms=PRE_NORMS, final_norm=norm, qk_norm=QKNormSpec(),
                 biases=biases, other_norms=tuple(others),
                 notes=("MLA: q and kv are norms of low-rank latents (other norms), not QK-Norm on heads",
                        "router e_score_correction_bias is a buffer (not a parameter)"))

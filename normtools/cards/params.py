@@ -1,7 +1,7 @@
 """Exact parameter counts of the model transformers builds from a config, broken down by kind,
 beside the bias-free "textbook" formula."""
 
-from normtools.cards.derive import _transformers_config, from_hf_config
+from normtools.cards.derive import transformers_config, from_hf_config
 from normtools.cards.types import ModelNormSpec
 
 
@@ -24,7 +24,7 @@ def count_parameters(config) -> dict:
     ``textbook_bias_free``: the weight matrices only (embeddings, attention and MLP/expert/router
     matrices, lm_head), i.e. the usual formula that drops biases, norms and attention sinks.
     """
-    c, _ = _transformers_config(config)
+    c, _ = transformers_config(config)
     spec = from_hf_config(c)
     counts = dict.fromkeys(COUNT_KEYS, 0)
     H, L, V = c.hidden_size, c.num_hidden_layers, c.vocab_size

@@ -17,17 +17,17 @@ import stat
 import struct
 from dataclasses import dataclass
 
-MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap the safetensors library itself uses
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the cap the safetensors library itself uses
 
 # Bytes per element; the sub-byte float formats are packed, so only their offsets' order is checked.
-DTYPE_BYTES = {
+_DTYPE_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
     "U16": 2, "I16": 2, "F16": 2, "BF16": 2,
     "U32": 4, "I32": 4, "F32": 4,
     "U64": 8, "I64": 8, "F64": 8,
     "C64": 8,
 }
-PACKED_DTYPES = {"F4", "F6_E2M3", "F6_E3M2"}
+_PACKED_DTYPES = {"F4", "F6_E2M3", "F6_E3M2"}
 
 
 class SafetensorsHeaderError(ValueError):
@@ -67,17 +67,17 @@ def read_header_from(f, file_size: int, name: str = "<stream>") -> dict:
     if len(prefix) != 8:
         raise SafetensorsHeaderError(f"{name}: truncated: {len(prefix)} bytes, expected at least 8")
     (n,) = struct.unpack("<Q", prefix)
-    if n > MAX_HEADER_BYTES:
-        raise SafetensorsHeaderError(f"{name}: header length {n} exceeds the {MAX_HEADER_BYTES}-byte cap")
+    if n > _MAX_HEADER_BYTES:
+        raise SafetensorsHeaderError(f"{name}: header length {n} exceeds the {_MAX_HEADER_BYTES}-byte cap")
     if 8 + n > file_size:
         raise SafetensorsHeaderError(f"{name}: header length {n} runs past the end of the {file_size}-byte file")
     raw = f.read(n)
     if len(raw) != n:
         raise SafetensorsHeaderError(f"{name}: truncated header: {len(raw)} of {n} bytes")
-    return parse_header_json(raw, data_size=file_size - 8 - n, name=name)
+    return _parse_header_json(raw, data_size=file_size - 8 - n, name=name)
 
 
-def parse_header_json(raw: bytes, data_size: int, name: str = "<stream>") -> dict:
+def _parse_header_json(raw: bytes, data_size: int, name: str = "<stream>") -> dict:
     """Validate the JSON header ``raw`` against a data region of ``data_size`` bytes."""
     try:
         header = json.loads(raw.decode("utf-8"))
@@ -107,7 +107,7 @@ def _tensor_info(entry, data_size: int, where: str) -> TensorInfo:
     if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
         raise SafetensorsHeaderError(f"{where}: entry must be an object with exactly dtype, shape, data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if not isinstance(dtype, str) or (dtype not in DTYPE_BYTES and dtype not in PACKED_DTYPES):
+    if not isinstance(dtype, str) or (dtype not in _DTYPE_BYTES and dtype not in _PACKED_DTYPES):
         raise SafetensorsHeaderError(f"{where}: unknown dtype {dtype!r}")
     if not isinstance(shape, list) or len(shape) > MAX_DIMS or not all(_is_count(d) for d in shape):
         raise SafetensorsHeaderError(f"{where}: shape must be a list of at most {MAX_DIMS} integers in "
@@ -119,9 +119,9 @@ def _tensor_info(entry, data_size: int, where: str) -> TensorInfo:
     if not begin <= end <= data_size:
         raise SafetensorsHeaderError(f"{where}: data_offsets {offsets} outside the {data_size}-byte data region")
     info = TensorInfo(dtype, tuple(shape))
-    if dtype in DTYPE_BYTES and end - begin != info.numel * DTYPE_BYTES[dtype]:
+    if dtype in _DTYPE_BYTES and end - begin != info.numel * _DTYPE_BYTES[dtype]:
         raise SafetensorsHeaderError(
             f"{where}: {end - begin} data bytes for shape {list(shape)} of {dtype} "
-            f"(expected {info.numel * DTYPE_BYTES[dtype]})"
+            f"(expected {info.numel * _DTYPE_BYTES[dtype]})"
         )
     return info

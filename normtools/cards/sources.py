@@ -7,7 +7,7 @@ import re
 from importlib import resources
 from pathlib import Path
 
-from normtools.cards.derive import _PRE, _SANDWICH, from_hf_config
+from normtools.cards.derive import PRE_NORMS, SANDWICH_NORMS, from_hf_config
 from normtools.cards.safetensors_header import open_regular_file, read_header
 from normtools.cards.types import (CheckpointMismatchError, ModelNormSpec, ProjectionBiases, QKNormSpec,
                                    SpecError, diff)
@@ -49,7 +49,7 @@ def read_config_json(path) -> dict:
     return config
 
 
-def read_checkpoint_tensors(path) -> dict:
+def _read_checkpoint_tensors(path) -> dict:
     """``{name: TensorInfo}`` merged over every ``*.safetensors`` file in the directory ``path``."""
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
@@ -86,7 +86,7 @@ def from_checkpoint(path) -> ModelNormSpec:
         raise SpecError(f"{path}: no config.json")
     config = read_config_json(path / "config.json")
     expected = from_hf_config(config)
-    tensors = read_checkpoint_tensors(path)
+    tensors = _read_checkpoint_tensors(path)
     if config["model_type"] == "gemma3":  # multimodal: the norms of the text model only
         tensors = {name: info for name, info in tensors.items() if "language_model." in name}
     observed, problems = _observe(expected, tensors)
@@ -233,13 +233,13 @@ def _placement(names: set) -> str:
     """Block-norm placement from the per-layer norm names (HF naming conventions)."""
     if {"attention.output.LayerNorm", "output.LayerNorm"} <= names:
         return "post"
-    if set(_SANDWICH) <= names:
+    if set(SANDWICH_NORMS) <= names:
         return "sandwich"
     if "post_feedforward_layernorm" in names and "input_layernorm" not in names:
         return "post_sublayer"
     if names == {"input_layernorm"}:
         return "parallel"
-    if names == set(_PRE):
+    if names == set(PRE_NORMS):
         return "pre"
     return "unrecognised: " + ", ".join(sorted(names))
 

@@ -41,10 +41,8 @@ def _formula(kind, x, scale, bias, eps):
 
 def probe_norm(module, input_shape, seed=0) -> dict:
     """Kind, eps (read and measured), offset, affine, bias and casting of one norm module, from
-    its outputs on inputs of ``input_shape`` (see the module docstring)."""
+    its outputs on inputs of ``input_shape`` (see :mod:`normtools.cards.atlas`)."""
     import torch
-    import torch.nn.functional as F
-    from normtools.core.reference import layer_norm_reference, rms_norm_reference
 
     gen = torch.Generator().manual_seed(seed)
     m = copy.deepcopy(module).float().eval()
@@ -59,22 +57,7 @@ def probe_norm(module, input_shape, seed=0) -> dict:
             weight.copy_(0.5 + torch.rand(weight.shape, generator=gen))
         if bias is not None:
             bias.copy_(0.1 * torch.randn(bias.shape, generator=gen))
-        y = m(x).double()
-        ones = torch.ones(())
-        candidates = {}
-        for kind in ("rms", "layer"):
-            for offset in ((0.0, 1.0) if weight is not None else (0.0,)):
-                scale = ones if weight is None else offset + weight
-                try:
-                    err = (y - _formula(kind, x, scale, bias, eps_fit)).abs().max().item()
-                except RuntimeError:
-                    continue
-                candidates[(kind, offset)] = err / (y.abs().max().item() + 1e-30)
-        if not candidates:
-            raise SpecError(f"{type(module).__name__}: output does not broadcast like a norm of the last dim")
-        (kind, offset), rel_err = min(candidates.items(), key=lambda kv: kv[1])
-        if rel_err > 1e-3:
-            kind = "unknown"
+        kind, offset, rel_err = _fit_kind(module, m(x).double(), x, weight, bias, eps_fit)
         # zero weight (and bias): a non-zero output means the scale is 1 + w
         zero_weight_output = None
         if weight is not None:
@@ -82,26 +65,52 @@ def probe_norm(module, input_shape, seed=0) -> dict:
             if bias is not None:
                 bias.zero_()
             zero_weight_output = m(x).abs().max().item()
-        # eps measured on rows whose mean square is about eps, with scale s = 1 and no bias
-        eps_measured = None
-        if kind in ("rms", "layer"):
-            if weight is not None:
-                weight.fill_(1.0 - offset)
-            small = torch.randn(input_shape, generator=gen, dtype=torch.float64)
-            small = small / small.pow(2).mean(-1, keepdim=True).sqrt() * eps_fit ** 0.5
-            ys = _run_in(m, small)
-            xs = small if kind == "rms" else small - small.mean(-1, keepdim=True)
-            ms = xs.pow(2).mean(-1, keepdim=True)
-            ratio = (xs / ys).pow(2) - ms
-            eps_measured = float(ratio[xs.abs() > 0.5 * eps_fit ** 0.5].median())
-        casting = _probe_casting(module, kind, offset, eps_fit, input_shape, gen,
-                                 rms_norm_reference, layer_norm_reference, F)
+        eps_measured = _measure_eps(m, weight, kind, offset, eps_fit, input_shape, gen)
+        casting = _probe_casting(module, kind, offset, eps_fit, input_shape, gen)
     return {
         "class": type(module).__name__, "kind": kind, "eps": eps, "eps_measured": eps_measured,
         "offset": offset, "affine": weight is not None, "bias": bias is not None,
         "casting": casting, "weight_shape": list(weight.shape) if weight is not None else None,
         "scale_attr": attr, "zero_weight_output_max": zero_weight_output, "fit_rel_error": rel_err,
     }
+
+
+def _fit_kind(module, y, x, weight, bias, eps) -> tuple:
+    """(kind, offset, relative error) of the float64 formula closest to the output ``y``: RMSNorm
+    or LayerNorm, scale ``offset + w`` with offset 0 or 1; kind "unknown" past 1e-3."""
+    import torch
+
+    candidates = {}
+    for kind in ("rms", "layer"):
+        for offset in ((0.0, 1.0) if weight is not None else (0.0,)):
+            scale = torch.ones(()) if weight is None else offset + weight
+            try:
+                err = (y - _formula(kind, x, scale, bias, eps)).abs().max().item()
+            except RuntimeError:
+                continue
+            candidates[(kind, offset)] = err / (y.abs().max().item() + 1e-30)
+    if not candidates:
+        raise SpecError(f"{type(module).__name__}: output does not broadcast like a norm of the last dim")
+    (kind, offset), rel_err = min(candidates.items(), key=lambda kv: kv[1])
+    return ("unknown" if rel_err > 1e-3 else kind), offset, rel_err
+
+
+def _measure_eps(m, weight, kind, offset, eps_fit, input_shape, gen):
+    """eps measured on rows whose mean square is about eps, with scale s = 1: ``y / x =
+    rsqrt(ms + eps)`` gives ``(x / y)^2 - ms`` (None for a norm of unknown kind)."""
+    import torch
+
+    if kind not in ("rms", "layer"):
+        return None
+    if weight is not None:
+        weight.fill_(1.0 - offset)
+    small = torch.randn(input_shape, generator=gen, dtype=torch.float64)
+    small = small / small.pow(2).mean(-1, keepdim=True).sqrt() * eps_fit ** 0.5
+    ys = _run_in(m, small)
+    xs = small if kind == "rms" else small - small.mean(-1, keepdim=True)
+    ms = xs.pow(2).mean(-1, keepdim=True)
+    ratio = (xs / ys).pow(2) - ms
+    return float(ratio[xs.abs() > 0.5 * eps_fit ** 0.5].median())
 
 
 def _run_in(module, x):
@@ -112,9 +121,12 @@ def _run_in(module, x):
         return module(x.float()).double()
 
 
-def _probe_casting(module, kind, offset, eps, input_shape, gen, rms_ref, ln_ref, F):
+def _probe_casting(module, kind, offset, eps, input_shape, gen):
     """The casting convention that reproduces the module's bf16 output bit for bit ("other": none)."""
     import torch
+    import torch.nn.functional as F
+
+    from normtools.core.reference import layer_norm_reference, rms_norm_reference
 
     if kind not in ("rms", "layer"):
         return "other"
@@ -129,12 +141,11 @@ def _probe_casting(module, kind, offset, eps, input_shape, gen, rms_ref, ln_ref,
         bias.copy_((0.1 * torch.randn(bias.shape, generator=gen)).to(torch.bfloat16))
     y = m(x)
     if kind == "rms":
-        refs = {c: rms_ref(x, weight, eps=eps, offset=offset, casting=c) for c in ("llama", "gemma")}
+        refs = {c: rms_norm_reference(x, weight, eps=eps, offset=offset, casting=c) for c in ("llama", "gemma")}
     else:
-        w = weight if weight is not None else None
-        refs = {"torch": F.layer_norm(x, x.shape[-1:], w.reshape(-1) if w is not None else None,
+        refs = {"torch": F.layer_norm(x, x.shape[-1:], weight.reshape(-1) if weight is not None else None,
                                       bias.reshape(-1) if bias is not None else None, eps),
-                "gemma": ln_ref(x, w, bias, eps=eps)}
+                "gemma": layer_norm_reference(x, weight, bias, eps=eps)}
     matches = [c for c, ref in refs.items() if ref.dtype == y.dtype and torch.equal(ref, y)]
     if len(matches) == 1:
         return matches[0]

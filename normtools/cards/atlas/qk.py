@@ -16,7 +16,7 @@ from normtools.cards.atlas.norm import probe_norm, scale_param
 
 
 def qk_norms(pm, readings) -> tuple:
-    """({full name: :func:`probe_qk`}, the first layer with a q/k norm or None, [q/k norms that
+    """({full name: :func:`_probe_qk`}, the first layer with a q/k norm or None, [q/k norms that
     could not be probed]) of a :class:`ProbedModel` and its :class:`LayerReading` s."""
     qk_layer = next((i for i, r in enumerate(readings) if r.qk), None)
     probes, unprobed = {}, []
@@ -25,14 +25,14 @@ def qk_norms(pm, readings) -> tuple:
     layer = f"{pm.prefix}.{qk_layer}"
     for n in readings[qk_layer].qk:
         try:
-            probes[n] = probe_qk(pm.norms[n], pm.seen(n)[0], pm.shifted_calls.get(n, [(None, None)])[0][0],
+            probes[n] = _probe_qk(pm.norms[n], pm.seen(n)[0], pm.shifted_calls.get(n, [(None, None)])[0][0],
                                  n[len(layer) + 1:], pm.head_dim, pm.heads)
         except Exception:  # noqa: BLE001 - a q/k norm with other inputs (Zaya's takes q and k)
             unprobed.append(n)  # is reported among the other norms, with the reason
     return probes, qk_layer, unprobed
 
 
-def probe_qk(module, inp, shifted_inp, local_name, head_dim, heads) -> dict:
+def _probe_qk(module, inp, shifted_inp, local_name, head_dim, heads) -> dict:
     """QK-Norm scope by perturbing one head; weight shape; before/after RoPE (``shifted_inp``:
     its input with every position id moved, None when undetermined). ``which``: "q", "k", or
     "qk" for one module applied to both (probed on q's heads); ``heads``: {"q": H, "k": H_kv}."""
