@@ -1,5 +1,7 @@
 """LayerNorm in Triton: forward and backward.
 
+launched by: normtools.core.ops (layer_norm), plans from normtools.core.launch_plans.
+
 Each row x ∈ R^N of the (M, N) input is centred and scaled:
 
     mean  = mean(x, -1)                                 float32, saved
@@ -33,7 +35,7 @@ All arithmetic is float32: values are upcast right after tl.load and downcast be
 import triton
 import triton.language as tl
 
-from normtools._kernels.rms_norm import row_block
+from normtools._kernels.tiles import load_grad_tile, load_param, row_block
 
 
 @triton.jit
@@ -53,8 +55,8 @@ def layer_norm_fwd(
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
-        b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
+        w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
+        b = load_param(B, cols, col_mask, -0.0, 0.0, HAS_BIAS)
         for block_start in range(row_start, row_end, BLOCK_M):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
@@ -97,8 +99,8 @@ def layer_norm_fwd(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
-            b = _param(B, cols, col_mask, 0.0, HAS_BIAS)
+            w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
+            b = load_param(B, cols, col_mask, -0.0, 0.0, HAS_BIAS)
             for block_start in range(row_start, row_end, BLOCK_M):
                 rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 mask = row_mask[:, None] & col_mask[None, :]
@@ -114,7 +116,7 @@ def layer_norm_fwd(
 @triton.jit
 def layer_norm_bwd(
     DY, X, W, MEAN, RSTD, DX, PARTIAL,      # PARTIAL: (programs, slots, N) float32
-    ROW_MEANS,                              # (2, M) float32 scratch of the chunked path: c1, c2
+    ROW_C1_C2,                              # (2, M) float32 scratch of the chunked path: c1, c2
     stride_dy, stride_x, stride_dx,
     M, N, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -132,13 +134,13 @@ def layer_norm_bwd(
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
+        w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block_start in range(row_start, row_end, BLOCK_M):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
-            x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
-                                                    col_mask, stride_x, stride_dy, "evict_first")
+            x_hat, dy, rstd, mask = _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols,
+                                                  col_mask, stride_x, stride_dy, "evict_first")
             g = dy * w[None, :]
             c1 = tl.sum(g, axis=1) / N                             # mean(g)
             c2 = tl.sum(x_hat * g, axis=1) / N                     # mean(x_hat ⊙ g)
@@ -153,39 +155,39 @@ def layer_norm_bwd(
             tl.store(db_row + cols, tl.sum(db_acc, axis=0), mask=col_mask)
     else:
         # Long rows, two passes over the columns, each chunk of w read once per program.
-        # Pass 1: ROW_MEANS[0, row] = c1 = mean(g) and ROW_MEANS[1, row] = c2 = mean(x_hat ⊙ g),
+        # Pass 1: ROW_C1_C2[0, row] = c1 = mean(g) and ROW_C1_C2[1, row] = c2 = mean(x_hat ⊙ g),
         # summed chunk by chunk. Pass 2: dx, and the chunk's dw and db accumulated in
         # registers over the rows and stored once.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
+            w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
             for block_start in range(row_start, row_end, BLOCK_M):
                 rows, row_mask = row_block(block_start, row_end, BLOCK_M)
-                x_hat, dy, _, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
-                                                     col_mask, stride_x, stride_dy, "evict_last")
+                x_hat, dy, _, mask = _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols,
+                                                   col_mask, stride_x, stride_dy, "evict_last")
                 g = dy * w[None, :]
                 c1 = tl.sum(g, axis=1) / N
                 c2 = tl.sum(x_hat * g, axis=1) / N
                 if start > 0:
-                    c1 += tl.load(ROW_MEANS + rows, mask=row_mask, other=0.0)
-                    c2 += tl.load(ROW_MEANS + M + rows, mask=row_mask, other=0.0)
-                tl.store(ROW_MEANS + rows, c1, mask=row_mask)
-                tl.store(ROW_MEANS + M + rows, c2, mask=row_mask)
-            tl.debug_barrier()  # ROW_MEANS is read back, by other threads of this program too
+                    c1 += tl.load(ROW_C1_C2 + rows, mask=row_mask, other=0.0)
+                    c2 += tl.load(ROW_C1_C2 + M + rows, mask=row_mask, other=0.0)
+                tl.store(ROW_C1_C2 + rows, c1, mask=row_mask)
+                tl.store(ROW_C1_C2 + M + rows, c2, mask=row_mask)
+            tl.debug_barrier()  # ROW_C1_C2 is read back, by other threads of this program too
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            w = _param(W, cols, col_mask, 1.0, HAS_WEIGHT)
+            w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
             dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for block_start in range(row_start, row_end, BLOCK_M):
                 rows, row_mask = row_block(block_start, row_end, BLOCK_M)
-                x_hat, dy, rstd, mask = _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols,
-                                                        col_mask, stride_x, stride_dy,
-                                                        "evict_first")
-                c1 = tl.load(ROW_MEANS + rows, mask=row_mask, other=0.0)
-                c2 = tl.load(ROW_MEANS + M + rows, mask=row_mask, other=0.0)
+                x_hat, dy, rstd, mask = _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols,
+                                                      col_mask, stride_x, stride_dy,
+                                                      "evict_first")
+                c1 = tl.load(ROW_C1_C2 + rows, mask=row_mask, other=0.0)
+                c2 = tl.load(ROW_C1_C2 + M + rows, mask=row_mask, other=0.0)
                 dx = rstd[:, None] * (dy * w[None, :] - c1[:, None] - x_hat * c2[:, None])
                 tl.store(DX + rows[:, None] * stride_dx + cols[None, :],
                          dx.to(DX.dtype.element_ty), mask=mask)
@@ -200,27 +202,12 @@ def layer_norm_bwd(
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
-def _param(P, cols, col_mask, default: tl.constexpr, HAS_PARAM: tl.constexpr):
-    """A chunk of a per-column parameter (weight or bias) in float32, or ``default`` if absent.
-    Every program reads it: evict_last."""
-    if HAS_PARAM:
-        p = tl.load(P + cols, mask=col_mask, other=0.0,
-                    eviction_policy="evict_last").to(tl.float32)
-    else:
-        p = tl.full(cols.shape, default, tl.float32)
-    return p
-
-
-@triton.jit
-def _load_grad_tile(X, DY, MEAN, RSTD, rows, row_mask, cols, col_mask, stride_x, stride_dy,
-                    EVICTION: tl.constexpr):
+def _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols, col_mask, stride_x, stride_dy,
+                  EVICTION: tl.constexpr):
     """x_hat and dy (float32) of a (BLOCK_M, BLOCK_N) tile (x_hat = 0 in masked lanes), the
     rows' rstd, and the tile's mask."""
     mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=EVICTION).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
-                 eviction_policy=EVICTION).to(tl.float32)
+    x, dy = load_grad_tile(X, DY, rows, cols, mask, stride_x, stride_dy, EVICTION)
     mean = tl.load(MEAN + rows, mask=row_mask, other=0.0)
     rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
     x_hat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)

@@ -1,5 +1,7 @@
 """Sum of per-program partial rows: the last step of every weight gradient.
 
+launched by: normtools.core.launcher (sum_partials), after every backward kernel.
+
 The backward kernels accumulate dw (and db) of the rows each program handled into that
 program's own float32 partial row; this kernel adds them up and writes the weight's dtype:
 

@@ -1,6 +1,8 @@
 """Fused QK-Norm + RoPE: RMSNorm of the query and key projections, then the rotary embedding,
 one launch for q and k in each direction.
 
+launched by: normtools.core.rope (qk_norm_rope), plans from normtools.core.launch_plans.
+
 In Qwen3, Gemma 3 and OLMo 2 the rotary embedding follows QK-Norm, so the two can share one
 read and one write of q and k (vLLM fuses them for inference). The norm is that of
 kernels/qk_norm.py. A *row* is what one set of statistics covers:
@@ -42,11 +44,11 @@ then the RMSNorm backward with g = dy * s (the roundings count as the identity):
 cos and sin are constants (the rotary embedding is computed without gradient).
 
 Program layout. The heads of a token are worked on BLOCK_H at a time, as one
-(ROWS tokens, BLOCK_H heads, BLOCK_HALF columns) tile per half of the head. A *slot* is what
+(BLOCK_M tokens, BLOCK_H heads, BLOCK_HALF columns) tile per half of the head. A *slot* is what
 one program covers across the tokens: per_head, BLOCK_H consecutive heads (H / BLOCK_H slots
 per tensor); per_layer, the whole row (one slot, its heads in GROUPS = H / BLOCK_H tiles).
 The grid is persistent: program p of a tensor handles slot p % n_slots for the tokens
-[(p // n_slots) · tokens_per_program, +tokens_per_program), ROWS at a time; the q programs
+[(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M at a time; the q programs
 come first, then the k programs.
 
 Traffic. When a slot is one tile (per_head always; per_layer while H · D fits one tile, which
@@ -75,7 +77,7 @@ store or to emulate a rounding.
 import triton
 import triton.language as tl
 
-from normtools._kernels.rms_norm import row_block
+from normtools._kernels.tiles import load_param, row_block
 
 
 @triton.jit
@@ -84,7 +86,7 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
                      stride_q, stride_k, stride_qo, stride_ko, stride_cos, stride_sin,
                      qw_head_stride, kw_head_stride, eps, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
-                     PER_LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      ROUND_XHAT: tl.constexpr, Q_NORM_DTYPE: tl.constexpr,
                      K_NORM_DTYPE: tl.constexpr, Q_ROPE_DTYPE: tl.constexpr,
@@ -97,44 +99,72 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
     if pid < n_q_programs:
         _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, tokens_per_program, q_slots,
                         stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
-                        offset, HEAD_DIM, Q_HEADS, PER_LAYER, ROWS, BLOCK_HQ, BLOCK_HALF,
+                        offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF,
                         ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
     else:
         _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid - n_q_programs, n_tokens,
                         tokens_per_program, k_slots, stride_k, stride_ko, stride_cos,
                         stride_sin, kw_head_stride, eps, offset, HEAD_DIM, K_HEADS, PER_LAYER,
-                        ROWS, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE)
+                        BLOCK_M, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE)
 
+
+@triton.jit
+def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
+                     DQW_PARTIAL, DKW_PARTIAL,
+                     n_tokens, tokens_per_program, q_slots, k_slots, n_q_programs,
+                     stride_q, stride_k, stride_dqo, stride_dko, stride_dq, stride_dk,
+                     stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
+                     HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
+                     PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
+                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """Backward of q and k. Same grid as the forward; DQW_PARTIAL / DKW_PARTIAL receive the
+    float32 partial weight gradients (layout in the module docstring), summed by the
+    launcher."""
+    pid = tl.program_id(0)
+    if pid < n_q_programs:
+        _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
+                         tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
+                         stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,
+                         PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF)
+    else:
+        _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs,
+                         n_tokens, tokens_per_program, k_slots, stride_k, stride_dko,
+                         stride_dk, stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM,
+                         K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF)
+
+
+# ----------------------------------------------------------------------------- helpers
 
 @triton.jit
 def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program, n_slots,
                     stride_x, stride_out, stride_cos, stride_sin, w_head_stride, eps, offset,
                     HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, PER_LAYER: tl.constexpr,
-                    ROWS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
                     ROUND_XHAT: tl.constexpr, NORM_DTYPE: tl.constexpr,
                     ROPE_DTYPE: tl.constexpr):
     """Normalize and rotate the tokens of one program of one tensor (q or k); store o and
     rstd."""
     GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H if PER_LAYER else 1
+    SINGLE_PASS: tl.constexpr = GROUPS == 1     # the slot is one tile
     slot = pid % n_slots
     token_start = (pid // n_slots) * tokens_per_program
     token_end = tl.minimum(token_start + tokens_per_program, n_tokens)
     half = tl.arange(0, BLOCK_HALF)
     half_mask = half < HEAD_DIM // 2
     X_DTYPE: tl.constexpr = X.dtype.element_ty
-    if GROUPS == 1:
+    if SINGLE_PASS:
         # The slot is one tile: its weights once per program, each token's tile once.
         heads = slot * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = heads < HEADS
         s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
                                HEAD_DIM)
-        for block_start in range(token_start, token_end, ROWS):
-            tokens, token_mask = row_block(block_start, token_end, ROWS)
+        for block_start in range(token_start, token_end, BLOCK_M):
+            tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
             cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
                                                   half_mask, stride_cos, stride_sin, HEAD_DIM)
             x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask,
                                       stride_x, HEAD_DIM, "evict_first")
-            sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)     # (ROWS, BLOCK_H)
+            sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)     # (BLOCK_M, BLOCK_H)
             if PER_LAYER:
                 rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / (HEADS * HEAD_DIM) + eps)
                 tl.store(RSTD + tokens, rstd, mask=token_mask)
@@ -151,9 +181,9 @@ def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program
         # A per_layer row longer than a tile: pass 1, the sum of squares over its tiles;
         # pass 2, normalize, rotate and store tile by tile (the tiles again, their weights
         # once per token block).
-        for block_start in range(token_start, token_end, ROWS):
-            tokens, token_mask = row_block(block_start, token_end, ROWS)
-            sum_sq = tl.zeros([ROWS], dtype=tl.float32)
+        for block_start in range(token_start, token_end, BLOCK_M):
+            tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
+            sum_sq = tl.zeros([BLOCK_M], dtype=tl.float32)
             for group in range(GROUPS):
                 heads = group * BLOCK_H + tl.arange(0, BLOCK_H)
                 x1, x2, mask = _load_tile(X, tokens, token_mask, heads, heads < HEADS, half,
@@ -197,38 +227,14 @@ def _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT, 
 
 
 @triton.jit
-def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
-                     DQW_PARTIAL, DKW_PARTIAL,
-                     n_tokens, tokens_per_program, q_slots, k_slots, n_q_programs,
-                     stride_q, stride_k, stride_dqo, stride_dko, stride_dq, stride_dk,
-                     stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
-                     HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
-                     PER_LAYER: tl.constexpr, ROWS: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
-    """Backward of q and k. Same grid as the forward; DQW_PARTIAL / DKW_PARTIAL receive the
-    float32 partial weight gradients (layout in the module docstring), summed by the
-    launcher."""
-    pid = tl.program_id(0)
-    if pid < n_q_programs:
-        _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
-                         tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
-                         stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,
-                         PER_LAYER, ROWS, BLOCK_HQ, BLOCK_HALF)
-    else:
-        _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs,
-                         n_tokens, tokens_per_program, k_slots, stride_k, stride_dko,
-                         stride_dk, stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM,
-                         K_HEADS, PER_LAYER, ROWS, BLOCK_HK, BLOCK_HALF)
-
-
-@triton.jit
 def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
                      tokens_per_program, n_slots, stride_x, stride_do, stride_dx, stride_cos,
                      stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
-                     HEADS: tl.constexpr, PER_LAYER: tl.constexpr, ROWS: tl.constexpr,
+                     HEADS: tl.constexpr, PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """dx for the tokens of one program of one tensor, and its partial weight gradient."""
     GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H if PER_LAYER else 1
+    SINGLE_PASS: tl.constexpr = GROUPS == 1     # the slot is one tile
     slot = pid % n_slots
     token_group = pid // n_slots
     token_start = token_group * tokens_per_program
@@ -241,19 +247,19 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
         dw_tile = DW_PARTIAL + pid.to(tl.int64) * HEAD_DIM
     else:
         dw_tile = DW_PARTIAL + token_group.to(tl.int64) * (HEADS * HEAD_DIM)
-    if GROUPS == 1:
+    if SINGLE_PASS:
         heads = slot * BLOCK_H + tl.arange(0, BLOCK_H)
         head_mask = heads < HEADS
         s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
                                HEAD_DIM)
         dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
         dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
-        for block_start in range(token_start, token_end, ROWS):
-            tokens, token_mask = row_block(block_start, token_end, ROWS)
-            x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads,
-                                                     head_mask, half, half_mask, stride_x,
-                                                     stride_do, stride_cos, stride_sin,
-                                                     HEAD_DIM, "evict_first")
+        for block_start in range(token_start, token_end, BLOCK_M):
+            tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
+            x1, x2, dy1, dy2, mask = _load_x_dy_halves(X, DO, COS, SIN, tokens, token_mask,
+                                                       heads, head_mask, half, half_mask,
+                                                       stride_x, stride_do, stride_cos,
+                                                       stride_sin, HEAD_DIM, "evict_first")
             g1 = dy1 * s1
             g2 = dy2 * s2
             if PER_LAYER:
@@ -264,11 +270,12 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
                                other=0.0)[:, :, None]
             x_hat1 = x1 * rstd
             x_hat2 = x2 * rstd
-            dot = tl.sum(g1 * x_hat1, axis=2) + tl.sum(g2 * x_hat2, axis=2)   # (ROWS, BLOCK_H)
+            # (BLOCK_M, BLOCK_H): Σ g · x_hat over each head
+            sum_g_xhat = tl.sum(g1 * x_hat1, axis=2) + tl.sum(g2 * x_hat2, axis=2)
             if PER_LAYER:
-                c = (tl.sum(dot, axis=1) / (HEADS * HEAD_DIM))[:, None, None]
+                c = (tl.sum(sum_g_xhat, axis=1) / (HEADS * HEAD_DIM))[:, None, None]
             else:
-                c = (dot / HEAD_DIM)[:, :, None]
+                c = (sum_g_xhat / HEAD_DIM)[:, :, None]
             _dx_store(DX, tokens, heads, half, mask, stride_dx, rstd * (g1 - x_hat1 * c),
                       rstd * (g2 - x_hat2 * c), HEAD_DIM)
             dw1 += tl.sum(dy1 * x_hat1, axis=0)
@@ -291,18 +298,18 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
             tl.store(dw_heads, tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32), mask=dw_mask)
             tl.store(dw_heads + HEAD_DIM // 2, tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32),
                      mask=dw_mask)
-        for block_start in range(token_start, token_end, ROWS):
-            tokens, token_mask = row_block(block_start, token_end, ROWS)
+        for block_start in range(token_start, token_end, BLOCK_M):
+            tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
             rstd = tl.load(RSTD + tokens, mask=token_mask, other=0.0)[:, None, None]
-            dot = tl.zeros([ROWS], dtype=tl.float32)
+            sum_g_xhat = tl.zeros([BLOCK_M], dtype=tl.float32)
             for group in range(GROUPS):
                 heads, head_mask, s1, s2, x1, x2, dy1, dy2, mask = _group_grad_tile(
                     X, DO, COS, SIN, W, tokens, token_mask, group, half, half_mask, stride_x,
                     stride_do, stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM, HEADS,
                     BLOCK_H, "evict_last")
-                dot += tl.sum(tl.sum(dy1 * s1 * x1 * rstd, axis=2)
+                sum_g_xhat += tl.sum(tl.sum(dy1 * s1 * x1 * rstd, axis=2)
                               + tl.sum(dy2 * s2 * x2 * rstd, axis=2), axis=1)
-            c = (dot / (HEADS * HEAD_DIM))[:, None, None]
+            c = (sum_g_xhat / (HEADS * HEAD_DIM))[:, None, None]
             for group in range(GROUPS):
                 heads, head_mask, s1, s2, x1, x2, dy1, dy2, mask = _group_grad_tile(
                     X, DO, COS, SIN, W, tokens, token_mask, group, half, half_mask, stride_x,
@@ -323,9 +330,9 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
 
 
 @triton.jit
-def _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads, head_mask, half, half_mask,
-                    stride_x, stride_do, stride_cos, stride_sin, HEAD_DIM: tl.constexpr,
-                    EVICTION: tl.constexpr):
+def _load_x_dy_halves(X, DO, COS, SIN, tokens, token_mask, heads, head_mask, half, half_mask,
+                      stride_x, stride_do, stride_cos, stride_sin, HEAD_DIM: tl.constexpr,
+                      EVICTION: tl.constexpr):
     """x (two halves) and dy = RoPEᵀ(do) of one tile, float32, and the tile's mask."""
     x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask,
                               stride_x, HEAD_DIM, EVICTION)
@@ -347,17 +354,15 @@ def _group_grad_tile(X, DO, COS, SIN, W, tokens, token_mask, group, half, half_m
     head_mask = heads < HEADS
     s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
                            HEAD_DIM)
-    x1, x2, dy1, dy2, mask = _load_grad_tile(X, DO, COS, SIN, tokens, token_mask, heads,
-                                             head_mask, half, half_mask, stride_x, stride_do,
-                                             stride_cos, stride_sin, HEAD_DIM, EVICTION)
+    x1, x2, dy1, dy2, mask = _load_x_dy_halves(X, DO, COS, SIN, tokens, token_mask, heads,
+                                               head_mask, half, half_mask, stride_x, stride_do,
+                                               stride_cos, stride_sin, HEAD_DIM, EVICTION)
     return heads, head_mask, s1, s2, x1, x2, dy1, dy2, mask
 
 
-# ----------------------------------------------------------------------------- helpers
-
 @triton.jit
 def _tile_offsets(tokens, heads, half, stride, HEAD_DIM: tl.constexpr):
-    """Element offsets (ROWS, BLOCK_H, BLOCK_HALF) of the first halves of a tile's heads."""
+    """Element offsets (BLOCK_M, BLOCK_H, BLOCK_HALF) of the first halves of a tile's heads."""
     return (tokens[:, None, None] * stride + heads[None, :, None].to(tl.int64) * HEAD_DIM
             + half[None, None, :])
 
@@ -365,7 +370,7 @@ def _tile_offsets(tokens, heads, half, stride, HEAD_DIM: tl.constexpr):
 @triton.jit
 def _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask, stride,
                HEAD_DIM: tl.constexpr, EVICTION: tl.constexpr):
-    """The two halves (float32, (ROWS, BLOCK_H, BLOCK_HALF)) of a tile, and its mask."""
+    """The two halves (float32, (BLOCK_M, BLOCK_H, BLOCK_HALF)) of a tile, and its mask."""
     mask = (token_mask[:, None, None] & head_mask[None, :, None]) & half_mask[None, None, :]
     first = X + _tile_offsets(tokens, heads, half, stride, HEAD_DIM)
     x1 = tl.load(first, mask=mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
@@ -377,7 +382,7 @@ def _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask, stride,
 @triton.jit
 def _load_tables(COS, SIN, tokens, token_mask, half, half_mask, stride_cos, stride_sin,
                  HEAD_DIM: tl.constexpr):
-    """cos and sin of the tokens, each as two halves (float32, (ROWS, 1, BLOCK_HALF)). The q
+    """cos and sin of the tokens, each as two halves (float32, (BLOCK_M, 1, BLOCK_HALF)). The q
     and the k programs both read them: evict_last."""
     mask = token_mask[:, None] & half_mask[None, :]
     cos = COS + tokens[:, None] * stride_cos + half[None, :]
@@ -397,10 +402,9 @@ def _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
     """s = offset + w of a tile's heads, two halves (float32, (1, BLOCK_H, BLOCK_HALF)).
     Every program reads the weights: evict_last."""
     mask = head_mask[:, None] & half_mask[None, :]
-    w = W + heads[:, None].to(tl.int64) * w_head_stride + half[None, :]
-    s1 = offset + tl.load(w, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
-    s2 = offset + tl.load(w + HEAD_DIM // 2, mask=mask, other=0.0,
-                          eviction_policy="evict_last").to(tl.float32)
+    w_offsets = heads[:, None].to(tl.int64) * w_head_stride + half[None, :]
+    s1 = load_param(W, w_offsets, mask, offset, 1.0, True)
+    s2 = load_param(W + HEAD_DIM // 2, w_offsets, mask, offset, 1.0, True)
     return s1[None, :, :], s2[None, :, :]
 
 

@@ -1,5 +1,7 @@
 """RMSNorm in Triton: forward (optionally fused with a residual add) and backward.
 
+launched by: normtools.core.ops (rms_norm, add_rms_norm), plans from normtools.core.launch_plans.
+
 Each row x ∈ R^N of the (M, N) input is normalized by its root mean square:
 
     rstd = rsqrt(mean(x², -1) + eps)        float32, saved for the backward pass
@@ -51,6 +53,8 @@ All arithmetic is float32: values are upcast right after tl.load and downcast be
 import triton
 import triton.language as tl
 
+from normtools._kernels.tiles import load_grad_tile, load_param, row_block
+
 
 @triton.jit
 def rms_norm_fwd(
@@ -71,7 +75,7 @@ def rms_norm_fwd(
         # The whole row is in registers: read it once, reduce, normalize, write.
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+        s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
         for block_start in range(row_start, row_end, BLOCK_M):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
@@ -100,7 +104,7 @@ def rms_norm_fwd(
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+            s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
             for block_start in range(row_start, row_end, BLOCK_M):
                 rows, row_mask = row_block(block_start, row_end, BLOCK_M)
                 mask = row_mask[:, None] & col_mask[None, :]
@@ -118,7 +122,7 @@ def rms_norm_fwd(
 @triton.jit
 def rms_norm_bwd(
     DY, X, W, RSTD, DSUM, DX, DW_PARTIAL,   # DW_PARTIAL: (programs, N) float32
-    ROW_DOT,                                # (M,) float32 scratch of the chunked path: c per row
+    ROW_C,                                  # (M,) float32 scratch of the chunked path: c per row
     stride_dy, stride_x, stride_dsum, stride_dx,
     M, N, offset, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr,
@@ -134,12 +138,12 @@ def rms_norm_bwd(
     if SINGLE_PASS:
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
-        s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+        s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for block_start in range(row_start, row_end, BLOCK_M):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
-            x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
-                                          stride_dy, "evict_first")
+            mask = row_mask[:, None] & col_mask[None, :]
+            x, dy = load_grad_tile(X, DY, rows, cols, mask, stride_x, stride_dy, "evict_first")
             rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
             x_hat = x * rstd[:, None]
             g = dy * s[None, :]
@@ -152,34 +156,36 @@ def rms_norm_bwd(
             tl.store(dw_row + cols, tl.sum(dw_acc, axis=0), mask=col_mask)
     else:
         # Long rows, two passes over the columns, each chunk's scale read once per program.
-        # Pass 1: ROW_DOT[row] = Σ_chunks rstd · Σ(x ⊙ g) / N = c = mean(x_hat ⊙ g) of each row
+        # Pass 1: ROW_C[row] = Σ_chunks rstd · Σ(x ⊙ g) / N = c = mean(x_hat ⊙ g) of each row
         # of this program. Pass 2: dx, and the chunk's dw accumulated in registers over the
         # rows and stored once.
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+            s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
             for block_start in range(row_start, row_end, BLOCK_M):
                 rows, row_mask = row_block(block_start, row_end, BLOCK_M)
-                x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
-                                              stride_dy, "evict_last")
+                mask = row_mask[:, None] & col_mask[None, :]
+                x, dy = load_grad_tile(X, DY, rows, cols, mask, stride_x, stride_dy,
+                                       "evict_last")
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
                 c = rstd * tl.sum(x * dy * s[None, :], axis=1) / N
                 if start > 0:
-                    c += tl.load(ROW_DOT + rows, mask=row_mask, other=0.0)
-                tl.store(ROW_DOT + rows, c, mask=row_mask)
-            tl.debug_barrier()  # ROW_DOT is read back, by other threads of this program too
+                    c += tl.load(ROW_C + rows, mask=row_mask, other=0.0)
+                tl.store(ROW_C + rows, c, mask=row_mask)
+            tl.debug_barrier()  # ROW_C is read back, by other threads of this program too
         for start in range(0, N, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
             col_mask = cols < N
-            s = _scale(W, cols, col_mask, offset, HAS_WEIGHT)
+            s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
             dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             for block_start in range(row_start, row_end, BLOCK_M):
                 rows, row_mask = row_block(block_start, row_end, BLOCK_M)
-                x, dy, mask = _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x,
-                                              stride_dy, "evict_first")
+                mask = row_mask[:, None] & col_mask[None, :]
+                x, dy = load_grad_tile(X, DY, rows, cols, mask, stride_x, stride_dy,
+                                       "evict_first")
                 rstd = tl.load(RSTD + rows, mask=row_mask, other=0.0)
-                c = tl.load(ROW_DOT + rows, mask=row_mask, other=0.0)
+                c = tl.load(ROW_C + rows, mask=row_mask, other=0.0)
                 x_hat = x * rstd[:, None]
                 dx = rstd[:, None] * (dy * s[None, :] - x_hat * c[:, None])
                 _dx_store(DX, DSUM, rows[:, None] * stride_dx + cols[None, :],
@@ -190,14 +196,6 @@ def rms_norm_bwd(
 
 
 # ----------------------------------------------------------------------------- helpers
-
-@triton.jit
-def row_block(block_start, row_end, BLOCK_M: tl.constexpr):
-    """The BLOCK_M row indices from block_start (int64: row · stride may pass 2³¹), and their
-    mask (rows < row_end). Shared with kernels/layer_norm.py."""
-    rows = block_start + tl.arange(0, BLOCK_M)
-    return rows.to(tl.int64), rows < row_end
-
 
 @triton.jit
 def _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
@@ -216,18 +214,6 @@ def _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
 
 
 @triton.jit
-def _scale(W, cols, col_mask, offset, HAS_WEIGHT: tl.constexpr):
-    """s = offset + w in float32 for a chunk of columns (1 without a weight). Every program
-    reads the weight: evict_last."""
-    if HAS_WEIGHT:
-        s = offset + tl.load(W + cols, mask=col_mask, other=0.0,
-                             eviction_policy="evict_last").to(tl.float32)
-    else:
-        s = tl.full(cols.shape, 1.0, tl.float32)
-    return s
-
-
-@triton.jit
 def _normalize_store(Y, y_offsets, mask, x, rstd, s, X_DTYPE: tl.constexpr,
                      ROUND_XHAT: tl.constexpr):
     """y = s ⊙ x_hat with x_hat = x · rstd, rounded as the casting convention says, stored."""
@@ -236,18 +222,6 @@ def _normalize_store(Y, y_offsets, mask, x, rstd, s, X_DTYPE: tl.constexpr,
         x_hat = x_hat.to(X_DTYPE).to(tl.float32)
     y = x_hat * s[None, :]
     tl.store(Y + y_offsets, y.to(Y.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _load_grad_tile(X, DY, rows, row_mask, cols, col_mask, stride_x, stride_dy,
-                    EVICTION: tl.constexpr):
-    """x and dy (float32) of a (BLOCK_M, BLOCK_N) tile, and the tile's mask."""
-    mask = row_mask[:, None] & col_mask[None, :]
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
-                eviction_policy=EVICTION).to(tl.float32)
-    dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0,
-                 eviction_policy=EVICTION).to(tl.float32)
-    return x, dy, mask
 
 
 @triton.jit

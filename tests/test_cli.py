@@ -1,6 +1,5 @@
 """``normtools card`` and ``normtools diff``: golden output, JSON output, one-line errors."""
 
-import argparse
 import json
 import os
 import subprocess
@@ -10,17 +9,14 @@ from pathlib import Path
 import pytest
 
 from normtools import cards
-from normtools.cards.cli import add_cli
+from normtools.cli import main
 
 GOLDEN = Path(__file__).parent / "golden"
 
 
 def run_cli(capsys, *argv):
-    """(exit code, stdout, stderr) of the card/diff commands, through ``add_cli``."""
-    parser = argparse.ArgumentParser(prog="normtools")
-    add_cli(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    code = args.func(args)
+    """(exit code, stdout, stderr) of the card/diff commands, through ``normtools.cli.main``."""
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 

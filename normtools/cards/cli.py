@@ -1,4 +1,5 @@
-"""``normtools card``, ``normtools diff`` and ``normtools atlas``."""
+"""``normtools card``, ``normtools diff`` and ``normtools atlas``. Errors propagate to
+``normtools.cli.main``, the command line's one error path."""
 
 import json
 import sys
@@ -6,7 +7,6 @@ import sys
 from normtools.cards import atlas
 from normtools.cards.params import count_parameters
 from normtools.cards.render import card, diff_table
-from normtools.cards.safetensors_header import SafetensorsHeaderError
 from normtools.cards.sources import bundled_configs, load
 from normtools.cards.types import SpecError, diff
 
@@ -79,17 +79,6 @@ def _run_atlas(args) -> int:
     return 0
 
 
-def _reporting_errors(run):
-    """Run a command; bad input prints one line on stderr and exits with code 2."""
-    def wrapper(args) -> int:
-        try:
-            return run(args)
-        except (SpecError, SafetensorsHeaderError, OSError) as e:
-            print(f"normtools {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
-            return 2
-    return wrapper
-
-
 def add_cli(subparsers) -> None:
     """Register ``normtools card`` and ``normtools diff``."""
     card_parser = subparsers.add_parser(
@@ -98,12 +87,12 @@ def add_cli(subparsers) -> None:
                     f"({', '.join(bundled_configs())}).")
     card_parser.add_argument("source", metavar="PATH_OR_CONFIG")
     card_parser.add_argument("--json", action="store_true", help="print the spec and counts as JSON")
-    card_parser.set_defaults(func=_reporting_errors(_run_card))
+    card_parser.set_defaults(func=_run_card)
     diff_parser = subparsers.add_parser("diff", help="print every norm-spec field that differs")
     diff_parser.add_argument("a", metavar="A")
     diff_parser.add_argument("b", metavar="B")
     diff_parser.add_argument("--json", action="store_true", help="print {field: [A, B]} as JSON")
-    diff_parser.set_defaults(func=_reporting_errors(_run_diff))
+    diff_parser.set_defaults(func=_run_diff)
     atlas_parser = subparsers.add_parser(
         "atlas", help="the norm atlas of every causal-LM family of transformers",
         description="Print the committed atlas (probed from the running transformers code), "
@@ -116,4 +105,4 @@ def add_cli(subparsers) -> None:
                                    "against the atlas file; exit code 1 if anything did")
     atlas_parser.add_argument("--compare", metavar="OTHER_JSON", help="print what changed from the atlas to OTHER_JSON")
     atlas_parser.add_argument("--atlas", metavar="PATH", help="the atlas file (default: the committed one)")
-    atlas_parser.set_defaults(func=_reporting_errors(_run_atlas))
+    atlas_parser.set_defaults(func=_run_atlas)

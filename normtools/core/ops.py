@@ -67,8 +67,9 @@ def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
     if m > 0:
         kernel_for(_rms.rms_norm_fwd, x.device)[(plan.programs,)](
             x2, res2, y, sum2, _param_or(weight, x2), rstd,
-            x2.stride(0), res2.stride(0), n, sum2.stride(0),
-            m, n, eps, offset, plan.rows_per_program,
+            stride_x=x2.stride(0), stride_res=res2.stride(0), stride_y=n,
+            stride_sum=sum2.stride(0), M=m, N=n, eps=eps, offset=offset,
+            rows_per_program=plan.rows_per_program,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             ROUND_XHAT=casting == "llama", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
             SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
@@ -84,11 +85,11 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
     dsum2 = x2 if dsum is None else as_rows(dsum)
     plan = plan_for("rms_norm_bwd", x.dtype, m, n, x.device)
     dw_partial = torch.empty((plan.programs, 1, n), dtype=torch.float32, device=x.device)
-    row_dot = torch.empty(0 if plan.single_pass else m, dtype=torch.float32, device=x.device)
+    row_c = torch.empty(0 if plan.single_pass else m, dtype=torch.float32, device=x.device)
     kernel_for(_rms.rms_norm_bwd, x.device)[(plan.programs,)](
-        dy2, x2, _param_or(weight, x2), rstd, dsum2, dx, dw_partial, row_dot,
-        dy2.stride(0), x2.stride(0), dsum2.stride(0), n,
-        m, n, offset, plan.rows_per_program,
+        dy2, x2, _param_or(weight, x2), rstd, dsum2, dx, dw_partial, row_c,
+        stride_dy=dy2.stride(0), stride_x=x2.stride(0), stride_dsum=dsum2.stride(0),
+        stride_dx=n, M=m, N=n, offset=offset, rows_per_program=plan.rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
         num_ctas=plan.num_ctas,
@@ -206,7 +207,8 @@ def _layer_norm_fwd_triton(x, weight, bias, eps):
     if m > 0:
         kernel_for(_ln.layer_norm_fwd, x.device)[(plan.programs,)](
             x2, y, _param_or(weight, x2), _param_or(bias, x2), mean, rstd,
-            x2.stride(0), n, m, n, eps, plan.rows_per_program,
+            stride_x=x2.stride(0), stride_y=n, M=m, N=n, eps=eps,
+            rows_per_program=plan.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass,
             num_warps=plan.num_warps, num_ctas=plan.num_ctas,
@@ -222,11 +224,12 @@ def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
     params = [p for p in (weight, bias) if p is not None]   # partial slots: dw first, then db
     partial = torch.empty((plan.programs, max(len(params), 1), n), dtype=torch.float32,
                           device=x.device)
-    row_means = torch.empty((2, 0 if plan.single_pass else m), dtype=torch.float32,
+    row_c1_c2 = torch.empty((2, 0 if plan.single_pass else m), dtype=torch.float32,
                             device=x.device)
     kernel_for(_ln.layer_norm_bwd, x.device)[(plan.programs,)](
-        dy2, x2, _param_or(weight, x2), mean, rstd, dx, partial, row_means,
-        dy2.stride(0), x2.stride(0), n, m, n, plan.rows_per_program,
+        dy2, x2, _param_or(weight, x2), mean, rstd, dx, partial, row_c1_c2,
+        stride_dy=dy2.stride(0), stride_x=x2.stride(0), stride_dx=n, M=m, N=n,
+        rows_per_program=plan.rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=plan.block_m,
         BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
         num_ctas=plan.num_ctas,

@@ -176,14 +176,16 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     k_rstd = torch.empty(hk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qy, ky, q_rstd, k_rstd
-    plan, block_nq, block_nk = launch_shape("qk_norm_fwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
-                                         device)
+    plan, block_nq, block_nk = launch_shape("qk_norm_fwd", n_tokens, nq, nk, hq + hk,
+                                            q2d.dtype, device)
     kernel_for(_k.qk_norm_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
-        n_tokens, plan.rows_per_program, hq, hk, plan.programs // (hq + hk) * hq,
-        q2d.stride(0), k2d.stride(0), qy.stride(0), ky.stride(0),
-        _head_stride(q_weight, nq), _head_stride(k_weight, nk), eps, offset,
-        NQ=nq, NK=nk, ROWS=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+        n_tokens=n_tokens, tokens_per_program=plan.rows_per_program, q_heads=hq, k_heads=hk,
+        n_q_programs=plan.programs // (hq + hk) * hq,
+        stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_qy=qy.stride(0),
+        stride_ky=ky.stride(0), qw_head_stride=_head_stride(q_weight, nq),
+        kw_head_stride=_head_stride(k_weight, nk), eps=eps, offset=offset,
+        NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
         ROUND_XHAT=casting == "llama", num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return qy, ky, q_rstd, k_rstd
 
@@ -207,8 +209,8 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
     # persistent grid: the token blocks of each head slot are shared by `groups` programs
-    plan, block_nq, block_nk = launch_shape("qk_norm_bwd", n_tokens, nq, nk, hq + hk, q2d.dtype,
-                                         device)
+    plan, block_nq, block_nk = launch_shape("qk_norm_bwd", n_tokens, nq, nk, hq + hk,
+                                            q2d.dtype, device)
     groups = plan.programs // (hq + hk) if n_tokens > 0 else 0
     dqw_partial = torch.empty(hq * groups, nq, device=device, dtype=torch.float32)
     dkw_partial = torch.empty(hk * groups, nk, device=device, dtype=torch.float32)
@@ -216,10 +218,12 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
         kernel_for(_k.qk_norm_bwd, device)[(plan.programs,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), dqy, dky, dq, dk,
             q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens, plan.rows_per_program, hq, hk, hq * groups,
-            q2d.stride(0), k2d.stride(0), dqy.stride(0), dky.stride(0), dq.stride(0),
-            dk.stride(0), _head_stride(q_weight, nq), _head_stride(k_weight, nk), offset,
-            NQ=nq, NK=nk, ROWS=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+            n_tokens=n_tokens, tokens_per_program=plan.rows_per_program, q_heads=hq,
+            k_heads=hk, n_q_programs=hq * groups,
+            stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_dqy=dqy.stride(0),
+            stride_dky=dky.stride(0), stride_dq=dq.stride(0), stride_dk=dk.stride(0),
+            qw_head_stride=_head_stride(q_weight, nq), kw_head_stride=_head_stride(k_weight, nk),
+            offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
             num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
             _sum_partials(dkw_partial, hk, k_weight))

@@ -122,8 +122,8 @@ def _compile_cached(key, kernel, signature, constexprs, attrs, options, cc):
 
 def _constexpr_summary(launch):
     """The launch's block sizes and flags, e.g. "BLOCK_M=1 BLOCK_N=8192 SINGLE_PASS=1 w=16"."""
-    names = ("BLOCK_M", "BLOCK_N", "ROWS", "BLOCK_NQ", "BLOCK_NK", "BLOCK_HQ", "BLOCK_HK",
-             "BLOCK_P", "SINGLE_PASS")
+    names = ("BLOCK_M", "BLOCK_N", "BLOCK_NQ", "BLOCK_NK", "BLOCK_HQ", "BLOCK_HK", "BLOCK_P",
+             "SINGLE_PASS")
     parts = [f"{k}={int(v)}" for k, v in launch.kwargs.items() if k in names]
     ctas = launch.kwargs.get("num_ctas", 1)
     return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"]

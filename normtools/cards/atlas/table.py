@@ -57,10 +57,21 @@ def build_atlas(model_types=None, progress=None) -> dict:
             "families": families, "not_probed": not_probed}
 
 
+ATLAS_KEYS = {"families": dict, "not_probed": dict, "probe_version": int, "transformers": str}
+
+
 def load_atlas(path=None) -> dict:
-    """The committed atlas (``normtools/cards/data/atlas.json``) or the one at ``path``."""
-    text = ATLAS_FILE.read_text() if path is None else open(path).read()
-    return json.loads(text)
+    """The committed atlas (``normtools/cards/data/atlas.json``) or the one at ``path``;
+    :class:`SpecError` for a file that is not JSON or lacks a key of ``ATLAS_KEYS``."""
+    text = ATLAS_FILE.read_text() if path is None else open(path, encoding="utf-8").read()
+    try:
+        atlas = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise SpecError(f"{path}: not valid JSON ({str(e)[:200]})") from None
+    if not (isinstance(atlas, dict) and all(isinstance(atlas.get(k), t) for k, t in ATLAS_KEYS.items())):
+        raise SpecError(f"{path}: not a norm atlas (a JSON object with "
+                        f"{', '.join(f'{k} ({t.__name__})' for k, t in ATLAS_KEYS.items())})")
+    return atlas
 
 
 def save_atlas(atlas: dict, path=None) -> None:
