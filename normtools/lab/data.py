@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-VOCAB_SIZE = 256
+_VOCAB_SIZE = 256
 
 #: The corpus file, read at run time from the installed package.
 CORPUS_PATH = Path(__file__).with_name("corpus") / "tinyshakespeare.txt"
@@ -49,7 +49,7 @@ class TextData:
 
     train: torch.Tensor
     val: torch.Tensor
-    vocab_size: int = VOCAB_SIZE
+    vocab_size: int = _VOCAB_SIZE
 
     def get_batch(
         self,

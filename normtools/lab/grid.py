@@ -2,7 +2,7 @@
 
 One *cell* of a grid is a dict of :class:`normtools.lab.tinylm.TinyLMConfig` fields plus the peak
 learning rate ``lr``, and optionally the ``seed`` and the training options of
-:data:`TRAIN_FIELDS` (``precision``, ``z_loss_coef``), e.g.
+:data:`_TRAIN_FIELDS` (``precision``, ``z_loss_coef``), e.g.
 ``{"placement": "pre", "qk_norm": "per_head", "lr": 3e-2, "seed": 1}``.
 :func:`run_grid` trains a fresh TinyLM per cell, on the same data; cells with the same seed
 share the initialization of the weights they have in common and see the same batches in the
@@ -13,7 +13,7 @@ same order (``seeds=(0, 1, 2)`` repeats every cell with each seed). It keeps:
   of every layer added as ``grad_norm_<i>`` (:func:`layer_grad_norms`);
 * the attended attention logits of all layers on one fixed batch, before and after training
   (:func:`attention_logits`), for their distribution, and what rounding the trained model's
-  logits to bfloat16 would do to its attention (:func:`attention_summary`).
+  logits to bfloat16 would do to its attention (:func:`_attention_summary`).
 
 :func:`summarize` reduces each run to one row (final loss, peak logit, spike scores);
 :func:`lr_sensitivity_table` applies Wortsman et al. (2023)'s LR sensitivity per group and seed;
@@ -60,7 +60,7 @@ STABILITY_SIZES = {
 
 _CONFIG_FIELDS = {f.name for f in fields(TinyLMConfig)}
 #: Cell fields that go to :func:`normtools.lab.train.train` rather than to the model.
-TRAIN_FIELDS = ("precision", "z_loss_coef")
+_TRAIN_FIELDS = ("precision", "z_loss_coef")
 
 
 def cells(**axes) -> list[dict]:
@@ -134,7 +134,7 @@ def attention_logits(model: nn.Module, batch) -> np.ndarray:
 
 
 @torch.no_grad()
-def attention_summary(model: nn.Module, batch) -> dict[str, float]:
+def _attention_summary(model: nn.Module, batch) -> dict[str, float]:
     """:func:`normtools.lab.probes.low_precision_attention` (bfloat16) of every layer's logits on
     ``batch``, combined over layers: the max of ``logit_max``, ``spacing_at_max``,
     ``rounding_error_max`` and ``prob_error_max``, the mean of ``entropy``,
@@ -162,7 +162,7 @@ def attention_summary(model: nn.Module, batch) -> dict[str, float]:
 @dataclass
 class Run:
     """One trained cell: its settings, per-step records, logits before and after training, and
-    :func:`attention_summary` of the trained model on the same batch."""
+    :func:`_attention_summary` of the trained model on the same batch."""
 
     cell: dict
     config: TinyLMConfig
@@ -179,17 +179,17 @@ def run_cell(cell: dict, data, base_config: TinyLMConfig, *, steps: int, batch_s
 
     The weights are initialized after ``torch.manual_seed(seed)`` (the cell's ``seed`` if it has
     one) and the batches follow the seed, so two cells with one seed differ only in what the
-    cell changes. The cell's :data:`TRAIN_FIELDS` and ``train_kwargs`` go to
+    cell changes. The cell's :data:`_TRAIN_FIELDS` and ``train_kwargs`` go to
     :func:`normtools.lab.train.train`.
     """
     if "lr" not in cell:
         raise ValueError(f"a cell needs a learning rate 'lr', got {cell}")
-    unknown = set(cell) - _CONFIG_FIELDS - {"lr", "seed", *TRAIN_FIELDS}
+    unknown = set(cell) - _CONFIG_FIELDS - {"lr", "seed", *_TRAIN_FIELDS}
     if unknown:
         raise ValueError(f"unknown cell fields {sorted(unknown)}; expected TinyLMConfig fields, "
-                         f"'lr', 'seed' and {', '.join(TRAIN_FIELDS)}")
+                         f"'lr', 'seed' and {', '.join(_TRAIN_FIELDS)}")
     seed = cell.get("seed", seed)
-    train_kwargs = {**train_kwargs, **{k: cell[k] for k in TRAIN_FIELDS if k in cell}}
+    train_kwargs = {**train_kwargs, **{k: cell[k] for k in _TRAIN_FIELDS if k in cell}}
     config = base_config.replace(**{k: v for k, v in cell.items() if k in _CONFIG_FIELDS})
     torch.manual_seed(seed)
     model = TinyLM(config).to(device)
@@ -207,19 +207,19 @@ def run_cell(cell: dict, data, base_config: TinyLMConfig, *, steps: int, batch_s
         records[f"grad_norm_{i}"] = per_layer[:, i]
     return Run(cell=dict(cell), config=config, records=records, logits_init=logits_init,
                logits_final=attention_logits(model, probe),
-               attention_final=attention_summary(model, probe))
+               attention_final=_attention_summary(model, probe))
 
 
-def with_seeds(cells, seeds) -> list[dict]:
+def _with_seeds(cells, seeds) -> list[dict]:
     """Every cell once per seed: ``{**cell, "seed": s}`` for each cell, then each seed."""
     return [{**cell, "seed": int(s)} for cell in cells for s in seeds]
 
 
 def run_grid(cells, data, base_config: TinyLMConfig, seeds=None, **run_kwargs) -> dict[tuple, Run]:
     """:func:`run_cell` for each distinct cell (duplicates run once), keyed by :func:`cell_key`;
-    with ``seeds``, each cell once per seed (:func:`with_seeds`)."""
+    with ``seeds``, each cell once per seed (:func:`_with_seeds`)."""
     runs = {}
-    for cell in (with_seeds(cells, seeds) if seeds is not None else cells):
+    for cell in (_with_seeds(cells, seeds) if seeds is not None else cells):
         key = cell_key(cell)
         if key not in runs:
             runs[key] = run_cell(cell, data, base_config, **run_kwargs)
@@ -234,7 +234,7 @@ def summarize(runs, spike_window: int = OLMO2_SPIKE_WINDOW,
     logit_max_peak             max attention logit over all layers and steps
     logit_max_final            max attention logit at the last step
     log_z_final                mean log Z of the output logits at the last step
-    attn_<k>                   :func:`attention_summary` of the trained model (k: logit_max,
+    attn_<k>                   :func:`_attention_summary` of the trained model (k: logit_max,
                                entropy, entropy_rounded, saturated, prob_error_max, ...)
     grad_norm_spike_score      :func:`normtools.lab.train.spike_score` (percent) of the global
                                gradient norm, with ``spike_window`` and ``spike_k`` (default:

@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from normtools.lab.blocks import PLACEMENT_NAMES
 from normtools.lab.tinylm import TinyLM, causal_mask
 
-PROBE_ATTENTION = "normtools_probe"
+_PROBE_ATTENTION = "normtools_probe"
 
 PROFILE_COLUMNS = (
     "layer", "residual_rms", "attn_out_rms", "mlp_out_rms", "grad_norm", "grad_norm_attn",
@@ -70,7 +70,7 @@ def rms(v: torch.Tensor) -> float:
     return v.detach().float().pow(2).mean().sqrt().item()
 
 
-def logit_stats(logits: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
+def _logit_stats(logits: torch.Tensor, valid: torch.Tensor) -> dict[str, float]:
     """Statistics of attention logits (B, H, Tq, Tk) over the pairs where ``valid`` (broadcast to
     the logits' shape) is True: max, 99th percentile, mean |s|, and the mean attention entropy."""
     logits = logits.detach().float()
@@ -118,8 +118,8 @@ def _register_probe_attention():
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, eager_mask
 
-    AttentionInterface.register(PROBE_ATTENTION, _probe_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PROBE_ATTENTION, eager_mask)
+    AttentionInterface.register(_PROBE_ATTENTION, _probe_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(_PROBE_ATTENTION, eager_mask)
 
 
 def _is_hf(model: nn.Module) -> bool:
@@ -144,8 +144,8 @@ class Recording:
         return attn.logits, valid
 
     def logit_stats(self, i: int) -> dict[str, float]:
-        """:func:`logit_stats` of layer i's last attention logits."""
-        return logit_stats(*self.logits(i))
+        """:func:`_logit_stats` of layer i's last attention logits."""
+        return _logit_stats(*self.logits(i))
 
     def logit_max(self, i: int) -> float:
         """Max attended logit of layer i (cheaper than :meth:`logit_stats`)."""
@@ -175,7 +175,7 @@ def recording(model: nn.Module):
     if hf:
         _register_probe_attention()
         previous = model.config._attn_implementation
-        model.set_attn_implementation(PROBE_ATTENTION)
+        model.set_attn_implementation(_PROBE_ATTENTION)
     else:
         for layer in layers:
             layer.self_attn.keep_logits = True
@@ -209,7 +209,7 @@ def split_batch(batch) -> tuple[torch.Tensor, torch.Tensor]:
     return batch[:, :-1], batch[:, 1:]
 
 
-def next_token_loss(model: nn.Module, batch) -> torch.Tensor:
+def _next_token_loss(model: nn.Module, batch) -> torch.Tensor:
     """Mean cross-entropy of the targets under the model's logits (TinyLM or HF causal LM)."""
     x, y = split_batch(batch)
     out = model(x)
@@ -229,7 +229,7 @@ def depth_profile(model: nn.Module, batch) -> "pandas.DataFrame":
     layers = decoder_layers(model)
     model.zero_grad(set_to_none=True)
     with recording(model) as rec:
-        loss = next_token_loss(model, batch)
+        loss = _next_token_loss(model, batch)
         loss.backward()
         rows = []
         for i, layer in enumerate(layers):
@@ -284,7 +284,7 @@ def residual_growth(batch, depths, seeds=(0, 1, 2), placement: str = "pre", **co
     return pd.DataFrame(rows)
 
 
-METRIC_LABELS = {
+_METRIC_LABELS = {
     "residual_rms": "RMS of the residual stream",
     "attn_out_rms": "RMS of the attention output",
     "mlp_out_rms": "RMS of the MLP output",
@@ -304,14 +304,14 @@ def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement"
     (a single line if ``df`` has no such column). ``ax``: an Axes or a sequence of Axes, one per
     metric. Returns the figure."""
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
-    fig, axes = panels(len(metrics), ax)
+    fig, axes = _panels(len(metrics), ax)
     groups = df.groupby(by, sort=False) if by in df.columns else [(None, df)]
     for metric, axis in zip(metrics, axes):
         for label, part in groups:
             part = part.sort_values("layer")
             axis.plot(part["layer"], part[metric], marker="o", markersize=3, label=label)
         axis.set_xlabel("layer")
-        axis.set_ylabel(METRIC_LABELS.get(metric, metric))
+        axis.set_ylabel(_METRIC_LABELS.get(metric, metric))
         if logy:
             axis.set_yscale("log")
         if by in df.columns:
@@ -342,7 +342,7 @@ def plot_profile_rows(df, metrics, by: str, title: str, width: float = 4.5):
     return fig
 
 
-def panels(n: int, ax=None):
+def _panels(n: int, ax=None):
     """(figure, n axes): new side-by-side panels, or the given Axes (one, or a sequence of n)."""
     import matplotlib.pyplot as plt
 
@@ -417,7 +417,7 @@ def init_gradients(batch, placements=("post", "pre"), depths=(6,), seeds=(0, 1, 
                 torch.manual_seed(seed)
                 model = TinyLM(placement=placement, depth=depth, **config)
                 with recording(model) as rec:
-                    loss = next_token_loss(model, batch)
+                    loss = _next_token_loss(model, batch)
                     loss.backward()
                 for i, layer in enumerate(model.layers):
                     rows.append({"placement": placement, "depth": depth, "seed": seed, "layer": i,

@@ -6,7 +6,7 @@ of :data:`normtools.lab.grid.STABILITY_SIZES`. ``normtools lab run STUDY`` train
 writes one JSON file (default ``book/data/studies/STUDY.json``) with the conditions (model,
 steps, batch, seeds, optimizer, precision, versions, machine, threads, wall time) and one record
 per run: the cell, the summary of :func:`normtools.lab.grid.summarize`, the last step's
-per-layer values and the per-step curves of :data:`CURVES`. The chapter renders that file with
+per-layer values and the per-step curves of :data:`_CURVES`. The chapter renders that file with
 :func:`load_study`; :func:`rerun` trains one seed of one configuration again and
 :func:`compare_rerun` says whether each of its numbers falls within the range the committed seeds
 span.
@@ -32,10 +32,10 @@ from normtools.lab.designs import DESIGNS, TRAINED_DESIGNS
 from normtools.lab.tinylm import TinyLMConfig
 
 #: Per-step records kept in the JSON (rounded to 4 significant digits).
-CURVES = ("loss", "grad_norm", "logit_max", "log_z")
+_CURVES = ("loss", "grad_norm", "logit_max", "log_z")
 
 #: Where ``normtools lab run`` writes a study by default (relative to the repository root).
-DEFAULT_DIR = Path("book") / "data" / "studies"
+_DEFAULT_DIR = Path("book") / "data" / "studies"
 
 #: Relative widening of the committed [min, max] range in :func:`compare_rerun`, per metric:
 #: losses are reproducible to a few parts in a thousand; the peak logit of a chaotic run is not.
@@ -126,7 +126,7 @@ def _round(v, digits: int = 4):
     return v
 
 
-def run_records(study: Study, cells: list[dict], data, settings: dict, device="cpu") -> list[dict]:
+def _run_records(study: Study, cells: list[dict], data, settings: dict, device="cpu") -> list[dict]:
     """Train ``cells`` (cells of ``study``, each with its ``variant`` label) at ``settings``
     (:meth:`Study.settings`) and return one JSON record per run."""
     base_config = TinyLMConfig(**settings["model"])
@@ -145,7 +145,7 @@ def run_records(study: Study, cells: list[dict], data, settings: dict, device="c
             **{k: _round(v.item() if hasattr(v, "item") else v) for k, v in row.items()},
             "layers": {metric: [_round(float(last[f"{metric}_{i}"])) for i in range(depth)]
                        for metric in ("grad_norm", "act_rms", "logit_max")},
-            "curves": {c: [_round(float(v)) for v in run.records[c]] for c in CURVES},
+            "curves": {c: [_round(float(v)) for v in run.records[c]] for c in _CURVES},
         })
     return records
 
@@ -155,12 +155,12 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
     """Train study ``name`` at ``size`` (``seeds`` overrides the study's) and return its JSON
     document: ``study``, ``question``, ``size``, ``conditions`` and ``runs``. ``size_settings``
     replaces ``grid.STABILITY_SIZES[size]`` (a chapter passes its shrunk gpu settings)."""
-    study = get_study(name)
+    study = _get_study(name)
     if seeds is not None:
         study = Study(**{**study.__dict__, "seeds": tuple(int(s) for s in seeds)})
     settings = study.settings(size, size_settings)
     start = time.perf_counter()
-    runs = run_records(study, study.cells(size, size_settings), load_corpus(), settings, device)
+    runs = _run_records(study, study.cells(size, size_settings), load_corpus(), settings, device)
     return {
         "study": study.name, "question": study.question, "size": size,
         "conditions": {
@@ -181,13 +181,13 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
     }
 
 
-def get_study(name: str) -> Study:
+def _get_study(name: str) -> Study:
     if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}; expected one of {', '.join(STUDIES)}")
     return STUDIES[name]
 
 
-def write_study(document: dict, path: str | Path) -> Path:
+def _write_study(document: dict, path: str | Path) -> Path:
     """Write a study document as JSON (indented, keys in order)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -205,13 +205,13 @@ def rerun(document: dict, variant: str | None = None, lr: float | None = None,
           seed: int | None = None, data=None) -> tuple[dict, dict]:
     """Train one seed of one configuration of a committed study again (default: the study's
     ``check`` configuration); returns (the configuration chosen, the re-run's JSON record)."""
-    study = get_study(document["study"])
+    study = _get_study(document["study"])
     chosen = {**study.check, **{k: v for k, v in (("variant", variant), ("lr", lr), ("seed", seed))
                                 if v is not None}}
     cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
             "variant": chosen["variant"]}
     settings = study.settings(document["size"])
-    return chosen, run_records(study, [cell], data or load_corpus(), settings)[0]
+    return chosen, _run_records(study, [cell], data or load_corpus(), settings)[0]
 
 
 def compare_rerun(document: dict, chosen: dict, record: dict,
@@ -270,7 +270,7 @@ def _run_cli(args) -> int:
     seeds = range(args.seeds) if args.seeds else None
     document = run_study(args.study, args.size, seeds, args.device)
     suffix = "" if args.size == "cpu" else f"-{args.size}"
-    path = write_study(document, args.out or DEFAULT_DIR / f"{args.study}{suffix}.json")
+    path = _write_study(document, args.out or _DEFAULT_DIR / f"{args.study}{suffix}.json")
     print(f"{args.study}: {len(document['runs'])} runs in "
           f"{document['conditions']['wall_seconds']} s -> {path}")
     return 0

@@ -73,8 +73,8 @@ from normtools.core import _validate
 from normtools.lab.blocks import (PLACEMENT_NAMES, RELATED_PLACEMENTS, block_equation, block_program,
                                   norm_names)
 
-NORM_NAMES = ("rms", "layer", "dyt")
-QK_NORM_SCOPES = ("none", "per_head", "per_layer")
+_NORM_NAMES = ("rms", "layer", "dyt")
+_QK_NORM_SCOPES = ("none", "per_head", "per_layer")
 
 #: Size presets: "test" (unit tests), "cpu" (chapters on 2 CPU cores), "gpu" (scaled up).
 SIZES = {
@@ -111,8 +111,8 @@ class TinyLMConfig:
 
     def __post_init__(self):
         _validate.check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
-        _validate.check_choice("norm", self.norm, NORM_NAMES)
-        _validate.check_choice("qk_norm", self.qk_norm, QK_NORM_SCOPES)
+        _validate.check_choice("norm", self.norm, _NORM_NAMES)
+        _validate.check_choice("qk_norm", self.qk_norm, _QK_NORM_SCOPES)
         if self.width % self.heads:
             raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
         if self.head_dim % 2:
@@ -226,7 +226,7 @@ class ScaledVector(nn.Module):
         return self.weight * self.gain
 
 
-def make_norm(config: TinyLMConfig) -> nn.Module:
+def _make_norm(config: TinyLMConfig) -> nn.Module:
     """The configured norm over the model width: normtools RMSNorm, LayerNorm with bias, or
     :class:`DyT` (``norm="dyt"``); :class:`SphereNorm` in every ``ngpt`` block."""
     if config.placement == "ngpt":
@@ -339,7 +339,7 @@ class Block(nn.Module):
         self.placement = config.layer_placement(layer)
         self.self_attn = CausalSelfAttention(config)
         self.mlp = SwiGLU(config)
-        self.norms = nn.ModuleDict({name: make_norm(config) for name in norm_names(self.placement)})
+        self.norms = nn.ModuleDict({name: _make_norm(config) for name in norm_names(self.placement)})
         self.scales = {"alpha": deepnorm_constants(config.depth)[0], "depth": 1 / math.sqrt(layer + 1)}
         self.rates = nn.ModuleDict()
         if self.placement == "ngpt":
@@ -396,7 +396,7 @@ class TinyLM(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.width)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.depth))
-        self.final_norm = make_norm(config) if config.has_final_norm else nn.Identity()
+        self.final_norm = _make_norm(config) if config.has_final_norm else nn.Identity()
         self.lm_head = nn.Linear(config.width, config.vocab_size, bias=False)
         if config.placement == "ngpt":  # nGPT's logit scaling s_z
             self.s_z = ScaledVector(config.vocab_size, 1.0, config.width ** -0.5)

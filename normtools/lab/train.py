@@ -38,7 +38,7 @@ from tqdm import tqdm  # the text bar: tqdm.auto warns at import in kernels with
 from normtools.core.precision import compute_dtype
 from normtools.lab.probes import decoder_layers, recording, split_batch
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")
+_PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0.1) -> float:
@@ -50,8 +50,8 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
-                   betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
+def _make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
+                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (dim ≥ 2) only, not on norm weights and biases (nanoGPT)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [
@@ -66,8 +66,8 @@ def autocast_for(precision: str, device: torch.device):
     ``torch.autocast(device.type, torch.bfloat16)`` (CPU or GPU: matrix products, and so the
     attention logits q·kᵀ and the output logits, are computed and stored in bfloat16); ``"fp16"``
     under float16 autocast, GPU only; ``"auto"``: bf16 on a GPU that supports it, else fp32."""
-    if precision not in PRECISIONS:
-        raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(PRECISIONS)}")
+    if precision not in _PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; expected one of {', '.join(_PRECISIONS)}")
     if precision == "auto":
         # compute_dtype: bf16 arithmetic, not emulated (a T4 falls back to fp32, with a message)
         precision = ("bf16" if device.type == "cuda"
@@ -121,7 +121,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
 
     ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping;
     ``z_loss_coef`` > 0 minimizes cross-entropy + z_loss_coef · :func:`z_loss` (PaLM: 1e-4);
-    ``precision`` is one of :data:`PRECISIONS` (see :func:`autocast_for`; the validation loss is
+    ``precision`` is one of :data:`_PRECISIONS` (see :func:`autocast_for`; the validation loss is
     computed in the same precision); ``quiet`` turns the progress bar off. A model with an
     ``after_optimizer_step()`` method has it called after every optimizer step (TinyLM: nGPT's
     weight renormalization). With ``eval_batches > 0`` the validation loss before and after
@@ -141,7 +141,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    optimizer = make_optimizer(model, lr, weight_decay, betas)
+    optimizer = _make_optimizer(model, lr, weight_decay, betas)
     after_step = getattr(model, "after_optimizer_step", None)  # TinyLM: nGPT's renormalization
     depth = len(decoder_layers(model))
     attrs = {"lr": lr, "steps": steps, "precision": precision, "z_loss_coef": z_loss_coef}
