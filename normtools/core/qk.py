@@ -130,14 +130,14 @@ def _rows(x2d, row_len):
     return x2d.unflatten(-1, (-1, row_len))
 
 
-def _torch_forward(x2d, weight, row_len, eps, offset, casting):
+def torch_forward(x2d, weight, row_len, eps, offset, casting):
     """Reference output (T, W) and float32 inverse RMS (H_rows, T) of one tensor."""
     x = _rows(x2d, row_len)
     y = rms_norm_reference(x, weight, eps, offset, casting)   # weight (N,) or (H, N) broadcasts
     return y.flatten(-2), inv_rms(x, eps).squeeze(-1).transpose(0, 1).contiguous()
 
 
-def _torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
+def torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
     """Reference (dx, dw) of one tensor from the saved inverse RMS (H_rows, T)."""
     dy, x, rstd = _rows(dy2d, row_len), _rows(x2d, row_len), rstd.transpose(0, 1).unsqueeze(-1)
     if weight.dim() == 1:
@@ -190,7 +190,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     return qy, ky, q_rstd, k_rstd
 
 
-def _sum_partials(partial, heads, weight):
+def weight_grad_from_partials(partial, heads, weight):
     """Weight gradient from the per-program float32 partial rows (groups · heads, N),
     program p = group · heads + head, in one launch: summed over token blocks for one weight
     row per head, over all programs when the heads share one weight row."""
@@ -225,13 +225,13 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
             qw_head_stride=_head_stride(q_weight, nq), kw_head_stride=_head_stride(k_weight, nk),
             offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
             num_warps=plan.num_warps, num_ctas=plan.num_ctas)
-    return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
-            _sum_partials(dkw_partial, hk, k_weight))
+    return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
+            weight_grad_from_partials(dkw_partial, hk, k_weight))
 
 
 # ----------------------------------------------------------------------------- custom ops
 
-def _row_lens(q2d, k2d, head_dim, per_layer):
+def row_lens(q2d, k2d, head_dim, per_layer):
     """Length of one statistics row of q and of k."""
     return (q2d.shape[1], k2d.shape[1]) if per_layer else (head_dim, head_dim)
 
@@ -242,17 +242,17 @@ def _qk_norm_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, head_
                  backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(qy, ky, q_rstd, k_rstd) for q (T, Hq·head_dim) and k (T, Hk·head_dim); the float32
     inverse RMS is laid out (H_rows, T)."""
-    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    nq, nk = row_lens(q, k, head_dim, per_layer)
     if backend == "torch":
-        qy, q_rstd = _torch_forward(q, q_weight, nq, eps, offset, casting)
-        ky, k_rstd = _torch_forward(k, k_weight, nk, eps, offset, casting)
+        qy, q_rstd = torch_forward(q, q_weight, nq, eps, offset, casting)
+        ky, k_rstd = torch_forward(k, k_weight, nk, eps, offset, casting)
         return qy, ky, q_rstd, k_rstd
     return _triton_forward(q, k, q_weight, k_weight, nq, nk, eps, offset, casting)
 
 
 @_qk_norm_fwd.register_fake
 def _(q, k, q_weight, k_weight, head_dim, per_layer, eps, offset, casting, backend):
-    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    nq, nk = row_lens(q, k, head_dim, per_layer)
     return (q.new_empty(q.shape, dtype=rms_norm_output_dtype(q.dtype, q_weight.dtype, casting)),
             k.new_empty(k.shape, dtype=rms_norm_output_dtype(k.dtype, k_weight.dtype, casting)),
             q.new_empty((q.shape[1] // nq, q.shape[0]), dtype=torch.float32),
@@ -265,10 +265,10 @@ def _qk_norm_bwd(dqy: Tensor, dky: Tensor, q: Tensor, k: Tensor, q_weight: Tenso
                  per_layer: bool, offset: float,
                  backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dq_weight, dk_weight) from the output gradients and the saved inverse RMS."""
-    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    nq, nk = row_lens(q, k, head_dim, per_layer)
     if backend == "torch":
-        dq, dqw = _torch_backward(dqy, q, q_weight, q_rstd, nq, offset)
-        dk, dkw = _torch_backward(dky, k, k_weight, k_rstd, nk, offset)
+        dq, dqw = torch_backward(dqy, q, q_weight, q_rstd, nq, offset)
+        dk, dkw = torch_backward(dky, k, k_weight, k_rstd, nk, offset)
         return dq, dk, dqw, dkw
     return _triton_backward(dqy, dky, q, k, q_weight, k_weight, q_rstd, k_rstd, nq, nk, offset)
 

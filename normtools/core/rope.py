@@ -23,7 +23,7 @@ import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend
-from normtools.core.qk import (_row_lens, _sum_partials, _torch_backward, _torch_forward,
+from normtools.core.qk import (row_lens, torch_backward, torch_forward, weight_grad_from_partials,
                                check_qk_inputs)
 from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
@@ -34,7 +34,7 @@ Tensor = torch.Tensor
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
-def check_rope_tables(cos, sin, q, head_dim, token_shape):
+def _check_rope_tables(cos, sin, q, head_dim, token_shape):
     """cos and sin: tensors of one supported dtype on q's device, last dimension head_dim
     (even), leading dimensions broadcastable to ``token_shape``, not requiring grad."""
     for table, name in ((cos, "cos"), (sin, "sin")):
@@ -77,7 +77,7 @@ def _dtypes(x_dtype, weight_dtype, casting, table_dtype, cast_back):
 
 def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset, casting,
                        cast_back):
-    normed, rstd = _torch_forward(x2d, weight, row_len, eps, offset, casting)
+    normed, rstd = torch_forward(x2d, weight, row_len, eps, offset, casting)
     heads = normed.unflatten(-1, (-1, head_dim))
     rotated = rope_reference(heads, cos2d[:, None], sin2d[:, None]).flatten(-2)
     return (rotated.to(normed.dtype) if cast_back else rotated), rstd
@@ -86,7 +86,7 @@ def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset
 def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_dim, offset):
     dnormed = rope_backward_reference(dout2d.unflatten(-1, (-1, head_dim)), cos2d[:, None],
                                       sin2d[:, None])
-    return _torch_backward(dnormed.flatten(-2), x2d, weight, rstd, row_len, offset)
+    return torch_backward(dnormed.flatten(-2), x2d, weight, rstd, row_len, offset)
 
 
 # ----------------------------------------------------------------------------- triton backend
@@ -149,7 +149,8 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
 
 
 def _partial_buffer(weight, heads, head_dim, per_layer, programs, groups, device):
-    """The float32 partials of one tensor's weight gradient, shaped for ``_sum_partials``:
+    """The float32 partials of one tensor's weight gradient, shaped for
+    ``weight_grad_from_partials``:
     (programs, D) for a shared (D,) weight, (groups · H, D) for one row per head,
     (groups, H · D) per layer (the layouts of kernels/qk_norm_rope.py)."""
     if per_layer:
@@ -190,8 +191,8 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
             HEAD_DIM=head_dim, Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, BLOCK_M=plan.block_m,
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=plan.num_warps)
-    return (dq, dk, _sum_partials(dqw_partial, hq, q_weight),
-            _sum_partials(dkw_partial, hk, k_weight))
+    return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
+            weight_grad_from_partials(dkw_partial, hk, k_weight))
 
 
 # ----------------------------------------------------------------------------- custom ops
@@ -203,7 +204,7 @@ def _qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, 
                       backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(q_out, k_out, q_rstd, k_rstd) for q (T, Hq·D), k (T, Hk·D), cos / sin (T, D); the
     float32 inverse RMS is laid out (H_rows, T)."""
-    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    nq, nk = row_lens(q, k, head_dim, per_layer)
     if backend == "torch":
         qo, q_rstd = _torch_forward_one(q, q_weight, cos, sin, nq, head_dim, eps, offset, casting,
                                         cast_back)
@@ -217,7 +218,7 @@ def _qk_norm_rope_fwd(q: Tensor, k: Tensor, q_weight: Tensor, k_weight: Tensor, 
 @_qk_norm_rope_fwd.register_fake
 def _(q, k, q_weight, k_weight, cos, sin, head_dim, per_layer, eps, offset, casting, cast_back,
       backend):
-    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    nq, nk = row_lens(q, k, head_dim, per_layer)
     q_dtype = _dtypes(q.dtype, q_weight.dtype, casting, cos.dtype, cast_back)[2]
     k_dtype = _dtypes(k.dtype, k_weight.dtype, casting, cos.dtype, cast_back)[2]
     return (q.new_empty(q.shape, dtype=q_dtype), k.new_empty(k.shape, dtype=k_dtype),
@@ -231,7 +232,7 @@ def _qk_norm_rope_bwd(dqo: Tensor, dko: Tensor, q: Tensor, k: Tensor, q_weight: 
                       k_rstd: Tensor, head_dim: int, per_layer: bool, offset: float,
                       backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """(dq, dk, dq_weight, dk_weight) from the output gradients and the saved inverse RMS."""
-    nq, nk = _row_lens(q, k, head_dim, per_layer)
+    nq, nk = row_lens(q, k, head_dim, per_layer)
     if backend == "torch":
         dq, dqw = _torch_backward_one(dqo, q, q_weight, cos, sin, q_rstd, nq, head_dim, offset)
         dk, dkw = _torch_backward_one(dko, k, k_weight, cos, sin, k_rstd, nk, head_dim, offset)
@@ -283,7 +284,7 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scop
     headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset,
                                    casting, backend)
     token_shape = q.shape[:-2] if headed else q.shape[:-1]
-    check_rope_tables(cos, sin, q, head_dim, token_shape)
+    _check_rope_tables(cos, sin, q, head_dim, token_shape)
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     cos2d = as_rows(cos.expand(*token_shape, head_dim))
