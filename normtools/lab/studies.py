@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from normtools.core import sysinfo
+from normtools.core.command_line import device_name, positive_int
 from normtools.lab import grid
 from normtools.lab.data import CORPUS_SHA256, load_corpus
 from normtools.lab.designs import DESIGNS, TRAINED_DESIGNS
@@ -187,11 +188,25 @@ def _get_study(name: str) -> Study:
     return STUDIES[name]
 
 
-def _write_study(document: dict, path: str | Path) -> Path:
-    """Write a study document as JSON (indented, keys in order)."""
+def _write_study(document: dict, path: str | Path, force: bool = False) -> Path:
+    """Write a study document as JSON (indented, keys in order), atomically: a temporary file in
+    the same folder, then a rename. ``ValueError`` for a document without runs, and, unless
+    ``force``, for one with fewer runs than the study already at ``path`` (a committed result)."""
     path = Path(path)
+    if not document["runs"]:
+        raise ValueError(f"{document['study']}: no runs to write")
+    if path.exists() and not force:
+        try:
+            existing = len(json.loads(path.read_text())["runs"])
+        except (ValueError, KeyError, TypeError, RecursionError):
+            existing = 0  # not a study: nothing to keep
+        if len(document["runs"]) < existing:
+            raise ValueError(f"{path} holds {existing} runs; this study has {len(document['runs'])}. "
+                             f"Pass --force to replace it, or --out to write elsewhere")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n")
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n")
+    temporary.replace(path)
     return path
 
 
@@ -254,9 +269,12 @@ def add_cli(subparsers):
     run = commands.add_parser("run", help="train a study and write its JSON")
     run.add_argument("study", choices=sorted(STUDIES))
     run.add_argument("--size", default="cpu", choices=sorted(grid.STABILITY_SIZES))
-    run.add_argument("--seeds", type=int, default=None, help="number of seeds (0, 1, ...)")
-    run.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
-    run.add_argument("--device", default="cpu")
+    run.add_argument("--seeds", type=positive_int, default=None,
+                     help="number of seeds S, trained as seeds 0 to S-1 (default: the study's)")
+    run.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    run.add_argument("--force", action="store_true",
+                     help="replace an existing study file even with fewer runs")
+    run.add_argument("--device", default="cpu", type=device_name)
     run.add_argument("--out", default=None, help="output path (default book/data/studies/STUDY.json"
                                                  " for size cpu, STUDY-SIZE.json otherwise)")
     run.set_defaults(func=_run_cli)
@@ -267,10 +285,11 @@ def add_cli(subparsers):
 
 def _run_cli(args) -> int:
     torch.set_num_threads(args.threads)
-    seeds = range(args.seeds) if args.seeds else None
+    seeds = range(args.seeds) if args.seeds is not None else None
     document = run_study(args.study, args.size, seeds, args.device)
     suffix = "" if args.size == "cpu" else f"-{args.size}"
-    path = _write_study(document, args.out or _DEFAULT_DIR / f"{args.study}{suffix}.json")
+    path = _write_study(document, args.out or _DEFAULT_DIR / f"{args.study}{suffix}.json",
+                        force=args.force)
     print(f"{args.study}: {len(document['runs'])} runs in "
           f"{document['conditions']['wall_seconds']} s -> {path}")
     return 0

@@ -1,18 +1,17 @@
 """``normtools bench`` and ``python -m normtools.measure.bench``."""
 
-import argparse
 import os
-import sys
 from pathlib import Path
 
 import torch
 
+from normtools.core.command_line import Parser, device_name, positive_int, run_command
 from normtools.core.precision import compute_dtype
 from normtools.measure.bench.cases import gpu_run_cases, plan_rows
 from normtools.measure.bench.shapes import _DTYPES, BACKENDS, OPS
 from normtools.measure.bench.backends import default_backends
 from normtools.measure.bench.report import markdown_summary
-from normtools.measure.bench.results import _read_json
+from normtools.measure.bench.results import read_results
 from normtools.measure.bench.sweep import run_sweep
 from normtools.measure.bench.timing import TIMERS
 
@@ -23,7 +22,7 @@ _DESCRIPTION = ("Time the normalization ops on every backend over a sweep of sha
 
 
 def _add_arguments(parser):
-    parser.add_argument("--device", default="auto",
+    parser.add_argument("--device", default="auto", type=device_name,
                         help="cpu, cuda, cuda:N or auto (cuda when available)")
     parser.add_argument("--dtype", choices=sorted(_DTYPES),
                         help="activation and weight dtype (default: bfloat16 on CUDA, float16 "
@@ -50,9 +49,9 @@ def _add_arguments(parser):
     parser.add_argument("--timer", choices=sorted(TIMERS),
                         help="events (CUDA default), do_bench (CUDA, Triton's timer, for a "
                              "cross-check) or wall (CPU)")
-    parser.add_argument("--threads", type=int,
+    parser.add_argument("--threads", type=positive_int,
                         help="torch intra-op threads for the run (recorded in the conditions)")
-    parser.add_argument("--processes", type=int, default=1,
+    parser.add_argument("--processes", type=positive_int, default=1,
                         help="time each case in this many processes at once (concurrency; "
                              "recorded in the conditions and rows, default 1)")
     parser.add_argument("--budget-s", type=float,
@@ -110,14 +109,13 @@ def run_cli(args):
         is_cuda = torch.device(device).type == "cuda"
         return _dry_run(args, device, args.dtype or ("bfloat16" if is_cuda else "float32"))
     if args.report:
-        text = markdown_summary(_read_json(args.report))
+        text = markdown_summary(read_results(args.report))
     else:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
             else args.device
         is_cuda = torch.device(device).type == "cuda"
         if is_cuda and not torch.cuda.is_available():
-            print("error: --device cuda but no CUDA device is visible", file=sys.stderr)
-            return 2
+            raise ValueError("--device cuda but no CUDA device is visible")
         if not is_cuda and args.backends and "normtools-triton" in args.backends:
             os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
         # bfloat16 on a GPU with bfloat16 arithmetic; a T4 falls back to float16 (with a line)
@@ -125,16 +123,12 @@ def run_cli(args):
                                else "float32")
         if args.threads:
             torch.set_num_threads(args.threads)
-        try:
-            cases = gpu_run_cases(_DTYPES[dtype], ops=args.ops, phases=args.phases) \
-                if args.cases == "gpu-run" else None
-            data = run_sweep(device, dtype, ops=args.ops, backends=args.backends, cases=cases,
-                             warmup=args.warmup, reps=args.reps, quick=args.quick,
-                             timer=args.timer, budget_s=args.budget_s, out_path=args.out,
-                             processes=args.processes)
-        except ValueError as exc:  # options that do not fit together
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+        cases = gpu_run_cases(_DTYPES[dtype], ops=args.ops, phases=args.phases) \
+            if args.cases == "gpu-run" else None
+        data = run_sweep(device, dtype, ops=args.ops, backends=args.backends, cases=cases,
+                         warmup=args.warmup, reps=args.reps, quick=args.quick,
+                         timer=args.timer, budget_s=args.budget_s, out_path=args.out,
+                         processes=args.processes)  # ValueError: options that do not fit together
         text = markdown_summary(data)
     if args.summary:
         Path(args.summary).parent.mkdir(parents=True, exist_ok=True)
@@ -154,6 +148,7 @@ def add_cli(subparsers):
 
 def main(argv=None):
     """``python -m normtools.measure.bench``: the same options as ``normtools bench``."""
-    parser = argparse.ArgumentParser(prog="python -m normtools.measure.bench", description=_DESCRIPTION)
+    parser = Parser(prog="python -m normtools.measure.bench", description=_DESCRIPTION)
     _add_arguments(parser)
-    return run_cli(parser.parse_args(argv))
+    parser.set_defaults(func=run_cli)
+    return run_command(parser, argv)

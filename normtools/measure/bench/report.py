@@ -3,7 +3,7 @@
 from pathlib import Path
 
 from normtools.measure.bench.shapes import BACKENDS, shape_label
-from normtools.measure.bench.results import _read_json
+from normtools.measure.bench.results import read_results
 
 # (op, minimum N or None, minimum % of copy bandwidth) for normtools-triton: the issue's targets.
 BANDWIDTH_TARGETS = (("rms_norm", 2048, 90.0), ("rms_norm_fwd_bwd", 2048, 80.0),
@@ -35,7 +35,7 @@ def targets_report(data):
     ``note``. Meant for a CUDA results file; on CPU the numbers are not the issue's targets.
     """
     if isinstance(data, (str, Path)):
-        data = _read_json(data)
+        data = read_results(data)
     ok = {}
     for row in data["results"]:
         ok[(row["op"], _case_label(row), row["backend"])] = row

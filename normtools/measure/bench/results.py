@@ -19,8 +19,21 @@ def _write_json(data, path):
 _SHAPE_KEYS = ("M", "N", "T", "Hq", "Hk", "D")
 
 
-def _read_json(path):
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+RESULTS_KEYS = {"conditions": dict, "results": list, "copy_bandwidth_gbs": (int, float)}
+
+
+def read_results(path) -> dict:
+    """The results file ``path`` written by ``normtools bench``; ``ValueError`` for a file that
+    is not JSON or lacks a key of ``RESULTS_KEYS`` (``OSError`` for one that cannot be read)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
+        raise ValueError(f"{path}: not valid JSON ({str(e)[:200] or type(e).__name__})") from None
+    if not (isinstance(data, dict) and all(isinstance(data.get(k), t) for k, t in RESULTS_KEYS.items())
+            and all(isinstance(row, dict) for row in data["results"])):
+        raise ValueError(f"{path}: not a normtools bench results file (a JSON object with "
+                         f"conditions, a list of results and copy_bandwidth_gbs)")
+    return data
 
 
 def load_results(path):
@@ -37,7 +50,7 @@ def load_results(path):
     files = sorted(path.glob("*.json")) if path.is_dir() else ([path] if path.exists() else [])
     rows, conditions = [], {}
     for file in files:
-        data = _read_json(file)
+        data = read_results(file)
         conditions[file.name] = {**data["conditions"],
                                  "copy_bandwidth_gbs": data["copy_bandwidth_gbs"]}
         for row in data["results"]:
