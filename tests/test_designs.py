@@ -27,9 +27,9 @@ def test_every_design_builds_the_model_it_names():
                 "DyT (Pre-LN)": ("pre", "dyt")}
     assert set(designs.DESIGNS) == set(expected)
     for name, fields in designs.DESIGNS.items():
-        model = TinyLM(TinyLMConfig.from_size("test", **fields))
+        model = TinyLM(TinyLMConfig.tiny(**fields))
         assert (model.config.placement, model.config.norm) == expected[name]
-    dyt = TinyLM(TinyLMConfig.from_size("test", **designs.DESIGNS["DyT (Pre-LN)"]))
+    dyt = TinyLM(TinyLMConfig.tiny(**designs.DESIGNS["DyT (Pre-LN)"]))
     assert isinstance(dyt.final_norm, DyT)
     with pytest.raises(ValueError, match="unknown designs"):
         designs.depth_profiles(["Pre-LN", "BatchNorm"], None, [0], TinyLMConfig())
@@ -48,7 +48,7 @@ def test_depth_summary_is_last_over_first_rms_and_first_over_last_grad():
 
 
 def test_depth_profiles_one_row_per_design_seed_and_layer():
-    config = TinyLMConfig.from_size("test", depth=3, backend="torch")
+    config = TinyLMConfig.tiny(depth=3, backend="torch")
     batch = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     df = designs.depth_profiles(["Pre-LN", "Post-LN"], batch, [0, 1], config)
     assert len(df) == 2 * 2 * 3
@@ -65,7 +65,7 @@ def test_admin_is_profiled_before_the_depth_probe_and_the_training():
     exactly (ω = 1, same initialization), so equal numbers would mean it did not run."""
     from normtools.lab.grid import run_cell
 
-    config = TinyLMConfig.from_size("test", depth=2, backend="torch")
+    config = TinyLMConfig.tiny(depth=2, backend="torch")
     batch = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
     admin = designs.depth_profiles(["Admin"], batch, [0], config)
     plain = designs.depth_profiles(["Post-LN"], batch, [0], config)
@@ -94,7 +94,7 @@ def test_seed_spread_and_versus():
 
 
 def test_train_designs_one_row_per_design_lr_and_seed():
-    config = TinyLMConfig.from_size("test", max_seq_len=16, backend="torch")
+    config = TinyLMConfig.tiny(max_seq_len=16, backend="torch")
     table = designs.train_designs(["Pre-LN", "DyT (Pre-LN)"], load_corpus(), config, lrs=[1e-2],
                                   seeds=[0, 1], steps=3, batch_size=2, eval_batches=1)
     assert list(table[["design", "seed"]].itertuples(index=False, name=None)) == [
@@ -186,7 +186,7 @@ def test_atlas_table_is_the_atlas_with_other_norm_names():
 
 
 def test_depth_profiles_takes_ids_or_an_inputs_targets_pair():
-    config = TinyLMConfig.from_size("test", depth=2, backend="torch")
+    config = TinyLMConfig.tiny(depth=2, backend="torch")
     ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(3))
     from_ids = designs.depth_profiles(["Mix-LN"], ids, [0], config)
     from_pair = designs.depth_profiles(["Mix-LN"], (ids[:, :-1], ids[:, 1:]), [0], config)
@@ -199,7 +199,7 @@ def test_train_designs_scores_spikes_with_the_window_it_is_given():
     from normtools.lab.grid import run_cell
     from normtools.lab.train import spike_score
 
-    config = TinyLMConfig.from_size("test", max_seq_len=16, backend="torch")
+    config = TinyLMConfig.tiny(max_seq_len=16, backend="torch")
     kwargs = dict(lrs=[1e-2], seeds=[0], steps=6, batch_size=2, eval_batches=0)
     default = designs.train_designs(["Pre-LN"], load_corpus(), config, **kwargs)
     assert np.isnan(default["grad_norm_spike_score"]).all()

@@ -171,7 +171,7 @@ def hand_block(block, x, cfg, layer):
 def randomized_model(**config):
     """A TinyLM whose norm weights and biases are random too, so that each one matters."""
     torch.manual_seed(0)
-    model = TinyLM(TinyLMConfig.from_size("test", backend="torch", **config))
+    model = TinyLM(TinyLMConfig.tiny(backend="torch", **config))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() <= 1 or "q_weight" in name or "k_weight" in name:
@@ -240,9 +240,9 @@ def test_final_norm_defaults():
                 "parallel": True, "none": False, "deepnorm": False, "admin": False,
                 "mix_ln": True, "lns": True, "ngpt": False}
     for placement, on in expected.items():
-        model = TinyLM(TinyLMConfig.from_size("test", placement=placement, backend="torch"))
+        model = TinyLM(TinyLMConfig.tiny(placement=placement, backend="torch"))
         assert isinstance(model.final_norm, normtools.RMSNorm) is on
-    model = TinyLM(TinyLMConfig.from_size("test", placement="post", final_norm=True, norm="layer"))
+    model = TinyLM(TinyLMConfig.tiny(placement="post", final_norm=True, norm="layer"))
     assert isinstance(model.final_norm, normtools.LayerNorm)
 
 
@@ -269,22 +269,22 @@ def test_norm_modules_follow_the_equation(norm, kind):
     for placement in PLACEMENT_NAMES + RELATED_PLACEMENTS:
         if placement == "ngpt" and norm != "rms":
             continue
-        cfg = TinyLMConfig.from_size("test", placement=placement, norm=norm, depth=4)
+        cfg = TinyLMConfig.tiny(placement=placement, norm=norm, depth=4)
         for layer, block in enumerate(TinyLM(cfg).layers):
             names = set(re.findall(r"N_(\w+)\(", expected_text(cfg, layer)))
             assert set(block.norms.keys()) == names
             assert all(isinstance(n, kind) for n in block.norms.values())
-    ngpt = TinyLM(TinyLMConfig.from_size("test", placement="ngpt"))
+    ngpt = TinyLM(TinyLMConfig.tiny(placement="ngpt"))
     assert all(isinstance(n, SphereNorm) for b in ngpt.layers for n in b.norms.values())
     assert not [name for name, _ in ngpt.named_parameters() if "norms" in name]
 
 
 def test_dyt_and_ngpt_initial_values():
-    cfg = TinyLMConfig.from_size("test", norm="dyt", dyt_alpha=0.7)
+    cfg = TinyLMConfig.tiny(norm="dyt", dyt_alpha=0.7)
     dyt = TinyLM(cfg).layers[0].norms["attn_in"]
     assert dyt.alpha.shape == () and dyt.alpha.item() == pytest.approx(0.7)
     assert torch.equal(dyt.weight, torch.ones(32)) and torch.equal(dyt.bias, torch.zeros(32))
-    model = TinyLM(TinyLMConfig.from_size("test", placement="ngpt", ngpt_alpha=0.1))
+    model = TinyLM(TinyLMConfig.tiny(placement="ngpt", ngpt_alpha=0.1))
     block, base_scale = model.layers[1], 32 ** -0.5
     # the paper's (init, scale) of each vector: α_A, α_M (ngpt_alpha, 1/√d), s_qk (1, 1/√d),
     # s_u, s_v (1, 1), s_z (1, 1/√d); the stored parameter starts at the scale
@@ -294,7 +294,7 @@ def test_dyt_and_ngpt_initial_values():
     for vector, init, scale in vectors:
         assert torch.allclose(vector.weight, torch.full_like(vector.weight, scale))
         assert torch.allclose(vector(), torch.full_like(vector.weight, init))
-    admin = TinyLM(TinyLMConfig.from_size("test", placement="admin")).layers[0]
+    admin = TinyLM(TinyLMConfig.tiny(placement="admin")).layers[0]
     assert all(torch.equal(w, torch.ones(32)) for w in admin.omegas.values())  # before profiling
 
 
@@ -330,7 +330,7 @@ def test_deepnorm_init_scales_v_o_and_mlp_by_beta():
 
 
 def test_set_backend_switches_every_norm():
-    model = TinyLM(TinyLMConfig.from_size("test", placement="sandwich", qk_norm="per_head"))
+    model = TinyLM(TinyLMConfig.tiny(placement="sandwich", qk_norm="per_head"))
     set_backend(model, "torch")
     norms = [m for m in model.modules() if isinstance(m, (normtools.RMSNorm, normtools.QKNorm))]
     assert len(norms) == 2 * 4 + 2 + 1          # 4 block norms and 1 QK-Norm per layer, final norm
@@ -380,7 +380,7 @@ def test_config_rejects_bad_values(bad, match):
 
 
 def test_forward_rejects_too_long_input():
-    model = TinyLM(TinyLMConfig.from_size("test", backend="torch"))
+    model = TinyLM(TinyLMConfig.tiny(backend="torch"))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, model.config.max_seq_len + 1, dtype=torch.long))
 
@@ -390,7 +390,7 @@ def test_admin_profiling_sets_omega_from_the_variances_by_hand():
     then sublayer after sublayer ω_{i+1} = sqrt(Var[ω_i ⊙ x_{i−1}] + Var[f_i(x_{i−1})]),
     variances over all elements of the batch. Recomputed here in float64 from the equations."""
     torch.manual_seed(0)
-    model = TinyLM(TinyLMConfig.from_size("test", placement="admin", depth=3, backend="torch"))
+    model = TinyLM(TinyLMConfig.tiny(placement="admin", depth=3, backend="torch"))
     ids = torch.randint(0, 256, (3, 16), generator=torch.Generator().manual_seed(4))
     report = model.initialize_from_data(ids)
     cfg = model.config
@@ -415,7 +415,7 @@ def test_admin_profiling_sets_omega_from_the_variances_by_hand():
             assert torch.allclose(d64(block.omegas[f]), torch.full((32,), want_omega[2 * i + j],
                                                                    dtype=torch.float64))
     assert want_omega[1] != pytest.approx(1.0)    # the pass changed something
-    assert TinyLM(TinyLMConfig.from_size("test")).initialize_from_data(ids) is None
+    assert TinyLM(TinyLMConfig.tiny()).initialize_from_data(ids) is None
 
 
 def test_ngpt_weights_are_on_the_sphere_at_init_and_after_a_training_step():
@@ -426,7 +426,7 @@ def test_ngpt_weights_are_on_the_sphere_at_init_and_after_a_training_step():
     from normtools.lab.train import train
 
     torch.manual_seed(0)
-    model = TinyLM(TinyLMConfig.from_size("test", placement="ngpt", backend="torch"))
+    model = TinyLM(TinyLMConfig.tiny(placement="ngpt", backend="torch"))
     width = model.config.width
 
     def norms_along_embedding(m):

@@ -54,8 +54,7 @@ def direct_stats(logits):
 @pytest.mark.parametrize("placement", ["pre", "post", "sandwich"])
 def test_profile_equals_direct_computation_on_two_layers(placement):
     torch.manual_seed(0)
-    model = TinyLM(TinyLMConfig.from_size("test", placement=placement, heads=4, kv_heads=2,
-                                          backend="torch"))
+    model = TinyLM(TinyLMConfig.tiny(placement=placement, heads=4, kv_heads=2, backend="torch"))
     cfg = model.config
     ids = batch_of(cfg.vocab_size)
     df = depth_profile(model, ids)
@@ -155,7 +154,7 @@ def test_gemma3_sliding_window_limits_the_attended_pairs():
 
 
 def test_plot_depth_profile_labels_and_lines():
-    config = TinyLMConfig.from_size("test", depth=3, backend="torch")
+    config = TinyLMConfig.tiny(depth=3, backend="torch")
     df = profile_placements(batch_of(256), ("pre", "post"), seed=0, config=config)
     torch.manual_seed(0)
     post = depth_profile(TinyLM(config, placement="post"), batch_of(256))

@@ -117,7 +117,7 @@ def test_lr_sensitivity_wortsman_definition():
 
 def tiny_model(**overrides):
     torch.manual_seed(0)
-    return TinyLM(TinyLMConfig.from_size("test", backend="torch", **overrides))
+    return TinyLM(TinyLMConfig.tiny(backend="torch", **overrides))
 
 
 def test_train_records_deterministic_and_quiet(text, capsys):

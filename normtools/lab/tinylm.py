@@ -76,12 +76,9 @@ from normtools.lab.blocks import (PLACEMENT_NAMES, RELATED_PLACEMENTS, block_equ
 _NORM_NAMES = ("rms", "layer", "dyt")
 _QK_NORM_SCOPES = ("none", "per_head", "per_layer")
 
-#: Size presets: "test" (unit tests), "cpu" (chapters on 2 CPU cores), "gpu" (scaled up).
-SIZES = {
-    "test": dict(width=32, depth=2, heads=2, max_seq_len=32),
-    "cpu": dict(width=128, depth=4, heads=4, max_seq_len=128),
-    "gpu": dict(width=512, depth=12, heads=8, kv_heads=4, max_seq_len=512),
-}
+#: The smallest useful TinyLM (:meth:`TinyLMConfig.tiny`: unit tests, chapter 1's printouts). The
+#: sizes of the chapters' experiments are the chapters' settings (``normtools.book.sizes``).
+_TINY = dict(width=32, depth=2, heads=2, max_seq_len=32)
 
 
 @dataclass(frozen=True)
@@ -135,10 +132,9 @@ class TinyLMConfig:
             raise ValueError(f"attn_softcap must be positive or None, got {self.attn_softcap}")
 
     @classmethod
-    def from_size(cls, size: str, **overrides) -> "TinyLMConfig":
-        """A preset from :data:`SIZES` ("test", "cpu", "gpu") with any field overridden."""
-        _validate.check_choice("size", size, tuple(SIZES))
-        return cls(**{**SIZES[size], **overrides})
+    def tiny(cls, **overrides) -> "TinyLMConfig":
+        """A tiny TinyLM (width 32, depth 2, 2 heads, 32 positions) with any field overridden."""
+        return cls(**{**_TINY, **overrides})
 
     def replace(self, **changes) -> "TinyLMConfig":
         """A copy with some fields changed (e.g. ``config.replace(placement="post")``)."""
