@@ -99,7 +99,7 @@ def test_a_new_colab_reader_runs_every_chapter(tmp_path, monkeypatch):
             failures[chapter.name] = f"cell {error.exec_count}: {error.ename}: {error.evalue}"
         seconds[chapter.stem] = round(time.perf_counter() - start, 1)
     cells = json.loads((REPORT / EDITION[0].name).read_text())["cells"]
-    setup_output = "".join(o.get("text", "") for o in next(c for c in cells if c["cell_type"] == "code")["outputs"])
+    setup_output = "".join("".join(o.get("text", [])) for o in next(c for c in cells if c["cell_type"] == "code")["outputs"])
     versions = next((line for line in setup_output.splitlines() if line.startswith("Python ")), None)
     report = {"runtime_seconds": round(runtime_seconds, 1), "chapter_seconds": seconds,
               "total_seconds": round(time.perf_counter() - started, 1), "versions": versions, "failures": failures}

@@ -511,8 +511,9 @@ def test_each_output_is_directly_under_its_caption(site):
             ok = False
             for stream in holding:
                 last_line = stream.get_text().rstrip("\n").split("\n")[-1].strip()
-                after = stream.find_next_sibling("div")
-                ok |= last_line == caption and after is not None and "output" in after.get("class", [])
+                after = stream.find_next_sibling()                    # a table's div or a figure's img
+                ok |= last_line == caption and after is not None and (
+                    after.name == "img" or "output" in after.get("class", []))
             checked += 1
             if not ok:
                 problems.append(f"{stem}: {caption!r} is not directly above its output")
