@@ -3,6 +3,7 @@ against each other), config.json files and the bundled published configs."""
 
 import dataclasses
 import json
+import os
 import re
 from importlib import resources
 from pathlib import Path
@@ -37,9 +38,9 @@ def read_config_json(path) -> dict:
     """The JSON object in the regular file ``path`` (at most ``MAX_JSON_BYTES``); :class:`SpecError`
     if it is not one (including nesting too deep to parse and integers of over 4,300 digits)."""
     with open_regular_file(path) as f:
-        raw = f.read(MAX_JSON_BYTES + 1)
-    if len(raw) > MAX_JSON_BYTES:
-        raise SpecError(f"{path}: larger than {MAX_JSON_BYTES} bytes, not a config")
+        if os.fstat(f.fileno()).st_size > MAX_JSON_BYTES:
+            raise SpecError(f"{path}: larger than {MAX_JSON_BYTES} bytes, not a config")
+        raw = f.read()
     try:
         config = json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors

@@ -19,7 +19,7 @@ def _write_json(data, path):
 _SHAPE_KEYS = ("M", "N", "T", "Hq", "Hk", "D")
 
 
-RESULTS_KEYS = {"conditions": dict, "results": list, "copy_bandwidth_gbs": (int, float)}
+RESULTS_KEYS = {"conditions": dict, "results": list}
 
 
 def read_results(path) -> dict:
@@ -32,7 +32,7 @@ def read_results(path) -> dict:
     if not (isinstance(data, dict) and all(isinstance(data.get(k), t) for k, t in RESULTS_KEYS.items())
             and all(isinstance(row, dict) for row in data["results"])):
         raise ValueError(f"{path}: not a normtools bench results file (a JSON object with "
-                         f"conditions, a list of results and copy_bandwidth_gbs)")
+                         f"conditions and a list of results)")
     return data
 
 
