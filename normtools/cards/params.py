@@ -146,12 +146,19 @@ _NORM_CLASS_ENDINGS = ("Norm", "NormGated")
 
 
 def is_norm_module(module) -> bool:
-    """A leaf normalization module: its class name ends in "Norm" (LayerNorm, LlamaRMSNorm,
-    GroupNorm, ...) or "NormGated" (the gated RMSNorm of linear-attention layers, Qwen3-Next's
-    ``linear_attn.norm``), and it holds no other such module. The one rule of every chapter and
-    of the atlas."""
-    return type(module).__name__.endswith(_NORM_CLASS_ENDINGS) and not any(
-        type(m).__name__.endswith(_NORM_CLASS_ENDINGS) for m in list(module.modules())[1:])
+    """A leaf normalization module: a subclass of torch's LayerNorm, RMSNorm or GroupNorm
+    (Nemotron's ``LayerNorm1P``), or a class whose name ends in "Norm" (LlamaRMSNorm, ...) or
+    "NormGated" (the gated RMSNorm of linear-attention layers, Qwen3-Next's ``linear_attn.norm``),
+    that holds no other such module. The one rule of every chapter and of the atlas (which also
+    recognises a norm by its output, :func:`normtools.cards.atlas.norm.behaves_as_norm`)."""
+    return _norm_class(module) and not any(_norm_class(m) for m in list(module.modules())[1:])
+
+
+def _norm_class(module) -> bool:
+    import torch
+
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm, torch.nn.GroupNorm)) or \
+        type(module).__name__.endswith(_NORM_CLASS_ENDINGS)
 
 
 def bias_parameters(model) -> dict:

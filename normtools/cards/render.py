@@ -33,7 +33,8 @@ def _describe_norm(norm: NormSpec | None) -> str:
     if norm is None:
         return "none"
     kind = "RMSNorm" if norm.kind == "rms" else "LayerNorm"
-    scale = "1 + w" if norm.offset == 1 else ("w" if norm.offset == 0 else f"{norm.offset:g} + w")
+    scale = ("none (no learned weight)" if not norm.affine else "1 + w" if norm.offset == 1
+             else "w" if norm.offset == 0 else f"{norm.offset:g} + w")
     bias = "with bias" if norm.bias else "no bias"
     return f"{kind}, eps={norm.eps:g}, scale {scale}, {bias}, {norm.casting} casting"
 
@@ -48,23 +49,26 @@ def card_rows(spec: ModelNormSpec, counts: dict | None = None) -> list:
         rope = "before RoPE" if qk.before_rope else "after RoPE"
         qk_text = f"{qk.scope}, {rope}: {_describe_norm(qk.norm)}"
     biases = [k for k, v in dataclasses.asdict(spec.biases).items() if v]
+    unknown = [k for k, v in dataclasses.asdict(spec.biases).items() if v is None]
     rows = [
         ("Model type", spec.model_type),
         ("Block norm", "RMSNorm" if b.kind == "rms" else "LayerNorm"),
         ("eps", f"{b.eps:g}"),
         ("Bias", "yes" if b.bias else "no"),
-        ("Scale", "1 + w (offset 1)" if b.offset == 1 else f"w (offset {b.offset:g})"),
+        ("Scale", "none (no learned weight)" if not b.affine else "1 + w (offset 1)" if b.offset == 1
+         else f"w (offset {b.offset:g})"),
         ("Casting", f"{b.casting}: {CASTING_FORMULAS[b.casting]}"),
         ("Placement", spec.placement),
         ("Per-layer norms", ", ".join(spec.layer_norms)),
         ("Final norm", _describe_norm(spec.final_norm)),
         ("QK-Norm", qk_text),
         ("Other norms", "; ".join(f"{o.name} ({o.dim}): {_describe_norm(o.norm)}" for o in spec.other_norms) or "none"),
-        ("Projection biases", ", ".join(biases) or "none"),
+        ("Projection biases", (", ".join(biases) or "none") + (f"; unknown: {', '.join(unknown)}" if unknown else "")),
         ("Attention sinks", "yes" if spec.attention_sinks else "no"),
         ("Shape", f"hidden {spec.hidden_size}, {spec.num_layers} layers, {spec.num_heads} heads "
                   f"({spec.num_kv_heads} kv), head_dim {spec.head_dim}"),
     ]
+    rows += [(f"Layers: {field}", pattern) for field, pattern in spec.layer_pattern]
     rows += [("Note", note) for note in spec.notes]
     if counts is not None:
         rows += [("Parameters", f"{counts['total']:,}"),

@@ -26,13 +26,15 @@ class CheckpointMismatchError(SpecError):
 
 @dataclass(frozen=True)
 class NormSpec:
-    """One norm: ``kind`` "rms" | "layer", ``eps``, ``bias``, scale ``offset + w``, ``casting``."""
+    """One norm: ``kind`` "rms" | "layer", ``eps``, ``bias``, scale ``offset + w``, ``casting``;
+    ``affine`` False for a norm without a learned scale (``y = x̂``, an L2 norm)."""
 
     kind: str
     eps: float
     bias: bool
     offset: float
     casting: str
+    affine: bool = True
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,9 @@ class QKNormSpec:
 
 @dataclass(frozen=True)
 class ProjectionBiases:
+    """Which projections add a bias; None: unknown (a biased linear whose role the atlas probe
+    could not tell, see ``notes``)."""
+
     q: bool
     k: bool
     v: bool
@@ -82,6 +87,9 @@ class ModelNormSpec:
     num_heads: int = 0
     num_kv_heads: int = 0
     head_dim: int = 0
+    # per-layer pattern over the default depth, ((field, run-length text), ...): "placement",
+    # "qk_norm", "attention" (atlas cards; empty when every layer is alike or unknown)
+    layer_pattern: tuple = ()
     notes: tuple = ()  # other forward-pass facts that touch the norms' inputs or outputs
     unconfirmed: tuple = ()  # config keys whose published values could not be confirmed
 
@@ -103,6 +111,7 @@ class ModelNormSpec:
         )
         for key in ("layer_norms", "notes", "unconfirmed"):
             d[key] = tuple(d[key])
+        d["layer_pattern"] = tuple(tuple(p) for p in d.get("layer_pattern", ()))
         return cls(**d)
 
 

@@ -4,13 +4,15 @@ placement, QK-Norm (:mod:`~normtools.cards.atlas.qk`), final norm (the norm whos
 LM head's input), other norms (latent norms, embedding norms, norms inside mixers), projection
 biases and attention sinks (from the parameters), and the default config's sizes."""
 
+import collections
+import itertools
 import re
 
 from normtools.cards.atlas.layers import ATTN_NAME, read_layer
-from normtools.cards.atlas.norm import norm_spec
+from normtools.cards.atlas.pattern import layer_pattern
+from normtools.cards.atlas.norm import GATE, norm_spec, probe_norm, takes_a_gate, with_gate
 from normtools.cards.atlas.probed import ProbedModel, ProbeError, config_attr, inside, one_line, same
 from normtools.cards.atlas.qk import qk_norms
-from normtools.cards.params import is_norm_module
 from normtools.cards.types import ModelNormSpec, OtherNorm, ProjectionBiases, QKNormSpec
 
 
@@ -29,14 +31,17 @@ def classify(pm: ProbedModel) -> dict:
     block_notes = _block_notes(block)
     qk_spec, qk_notes = _qk_norm(qk)
     biases, bias_notes = _biases(pm)
-    other, other_notes = _other_norms(pm, others)
+    pattern = layer_pattern(pm, readings)
+    if qk and any(field == "qk_norm" for field, _ in pattern):
+        qk_notes.append("QK-Norm on some layers only (see the layer pattern)")
+    other, other_notes = _other_norms(pm, others, final)
     spec = ModelNormSpec(
         model_type=pm.text.model_type if pm.text.model_type else pm.model.config.model_type,
         block_norm=norm_spec(next(iter(block.values()))),
         placement=placements[0] if len(set(placements)) == 1 else "mixed", layer_norms=tuple(block),
         final_norm=norm_spec(final_probe) if final_probe else None, qk_norm=qk_spec, biases=biases,
         other_norms=other, attention_sinks=any("sink" in n for n, _ in pm.layers[0].named_parameters()),
-        **_default_sizes(pm.defaults),
+        **_default_sizes(pm.defaults), layer_pattern=pattern,
         notes=tuple(block_notes + qk_notes + bias_notes + other_notes) + (
             "probed on a tiny random instance of the config class's defaults; shapes are the defaults",),
     )
@@ -74,9 +79,31 @@ def _outside_norms(pm) -> list:
 
 
 def _final_norm_name(pm):
-    """The norm outside the layers whose (last) output is the LM head's input; None without one."""
+    """The norm outside the layers whose (last) output reaches the LM head's input, up to one
+    positive scalar and a slice of its rows (:func:`_reaches`); None without one."""
     head_in = pm.calls.get("<lm_head>", [(None, None)])[0][0]
-    return next((n for n in _outside_norms(pm) if same(pm.calls[n][-1][1], head_in)), None)
+    return next((n for n in _outside_norms(pm) if _reaches(pm.calls[n][-1][1], head_in)), None)
+
+
+def _reaches(norm_out, head_in) -> bool:
+    """Every row of ``head_in`` is ``c`` times a row of ``norm_out``, one ``c > 0`` for all: the
+    norm's output reached the head through an elementwise scalar (MiniCPM3's ``hidden /
+    logits_scaling``) and a slice along the token axis (prompt rows dropped), compared by row
+    direction: cosine 1 and one ratio of lengths, to float32 rounding."""
+    import torch
+
+    if norm_out is None or head_in is None or norm_out.shape[-1] != head_in.shape[-1]:
+        return False
+    if same(norm_out, head_in):
+        return True
+    a, b = norm_out.reshape(-1, norm_out.shape[-1]).double(), head_in.reshape(-1, head_in.shape[-1]).double()
+    a_len, b_len = a.norm(dim=-1), b.norm(dim=-1)
+    if a.shape[0] < b.shape[0] or (a_len == 0).any() or (b_len == 0).any():
+        return False
+    cosine = (b / b_len[:, None]) @ (a / a_len[:, None]).T      # (head rows, norm rows)
+    best = cosine.max(dim=-1)
+    ratio = b_len / a_len[best.indices]
+    return bool((best.values > 1 - 1e-6).all() and (ratio.max() - ratio.min()) <= 1e-5 * ratio.max())
 
 
 def _other_norm_names(pm, readings, qk_layer, qk_unprobed, final) -> list:
@@ -92,43 +119,61 @@ def _other_norm_names(pm, readings, qk_layer, qk_unprobed, final) -> list:
                 names.append(n)
         if i == qk_layer:
             names += qk_unprobed
-    return names + [n for n in _outside_norms(pm) if n != final]
+    # a final norm that also ran earlier (nanochat's one ``norm`` on the embeddings and after
+    # the layers) holds both roles: it is an other norm too
+    return names + [n for n in _outside_norms(pm) if n != final or len(pm.calls[n]) > 1]
 
 
 def _probe_others(pm, names) -> dict:
-    """{name: norm probe} of the other norms; a norm with extra inputs (a gated norm) is kept
-    with the reason it was not probed."""
+    """{name: norm probe} of the other norms; a gated norm (its forward takes a gate) is probed
+    through :func:`with_gate`; a norm that still cannot run on one tensor is kept with the reason."""
+    import torch
+
     probes = {}
     for n in names:
+        module = pm.norms[n]
         try:
-            probes[n] = pm.norm_probe(n)
-        except Exception as e:  # noqa: BLE001 - a norm with extra inputs (gated norms) is reported
-            probes[n] = {"class": type(pm.norms[n]).__name__, "kind": "not probed", "error": one_line(e)}
+            if takes_a_gate(module):
+                gated = with_gate(module)
+                gated(pm.seen(n)[0].float().clone() if pm.seen(n)[0] is not None else torch.randn(2, 8))
+                probes[n] = {**probe_norm(gated, tuple(pm.seen(n)[0].shape)),
+                             "gate": "before the norm" if gated.gate_before else "after the norm"}
+            else:
+                probes[n] = pm.norm_probe(n)
+        except Exception as e:  # noqa: BLE001 - a norm with other inputs is reported with the reason
+            probes[n] = {"class": type(module).__name__, "kind": "not probed", "error": one_line(e)}
     return probes
 
 
-def _other_norms(pm, probes: dict) -> tuple:
+def _other_norms(pm, probes: dict, final) -> tuple:
     """(OtherNorm tuple, notes) of the other norms' probes: per-layer norms by their name within
-    the layer, the others by their name in the base model; a norm that is not an RMSNorm or a
-    LayerNorm is a note."""
+    the layer, the others by their name in the base model (the final norm, when it also ran
+    before, "(also the final norm)"); a norm that is not an RMSNorm or a LayerNorm is a note, and
+    so are a gated norm's gate and a size that no config key gives."""
     other, notes = [], []
     base = getattr(pm.model, "base_model_prefix", "") + "."
     for n, p in probes.items():
         per_layer = n.startswith(pm.prefix + ".")
         local = n[len(pm.prefix) + 1:].split(".", 1)[1] if per_layer else n.removeprefix(base)
+        shown = local if per_layer else n
         if p.get("kind") not in ("rms", "layer"):
-            notes.append(f"{local if per_layer else n}: {p['class']} not probed "
-                         f"({p.get('error', p.get('kind'))})")
+            notes.append(f"{shown}: {p['class']} not probed ({p.get('error', p.get('kind'))})")
             continue
-        if p["class"].endswith("NormGated"):
-            notes.append(f"{local if per_layer else n}: {p['class']} is gated (its input or "
-                         "output times silu(gate)); probed without a gate")
-        dim = p["weight_shape"][-1] if p["weight_shape"] else 0
-        other.append(OtherNorm(local, per_layer, _default_size(int(dim), pm.text, pm.defaults), norm_spec(p)))
+        if "gate" in p:
+            notes.append(f"{shown}: {p['class']} is gated (times silu(gate), {p['gate']}); probed with gate "
+                         f"{GATE:g}, whose SiLU is exactly {GATE:g} in float32, divided out")
+        seen_in = pm.seen(n)[0]
+        dim = p["weight_shape"][-1] if p["weight_shape"] else seen_in.shape[-1] if seen_in is not None else 0
+        size = _default_size(int(dim), pm.text, pm.defaults)
+        if size is None:
+            notes.append(f"{shown}: width {dim} in the tiny model, which no default-config key gives: "
+                         "its default size is unknown (0 on the card)")
+        other.append(OtherNorm(local + (" (also the final norm)" if n == final else ""), per_layer,
+                               size or 0, norm_spec(p)))
     return tuple(other), notes
 
 
-_BIAS_NAMES = (  # (regex on a Linear's local name in the attention module, projections it holds)
+_BIAS_NAMES = (  # (regex on a Linear's local name in the attention module, any case; projections it holds)
     (r".*(qkv|c_attn|query_key_value|in_proj|wqkv).*", "qkv"),
     (r"(kv_a_proj_with_mqa|kv_b_proj|kv_proj|wkv.*)", "kv"),
     (r"(q_proj|query|query_proj|q|wq|q_a_proj|q_b_proj|q_lin)", "q"),
@@ -140,28 +185,56 @@ _BIAS_NAMES = (  # (regex on a Linear's local name in the attention module, proj
 
 def _biases(pm) -> tuple:
     """(ProjectionBiases from the parameters of every layer with an attention or another token
-    mixer, a bias found in any of them; notes naming the attention linears with a bias that no
-    name rule maps). A hybrid's layers differ: Qwen3-Next's first layers are linear attention,
-    its fourth full attention."""
+    mixer, a bias found in any of them; notes). A hybrid's layers differ: Qwen3-Next's first
+    layers are linear attention, its fourth full attention. A biased linear of a token mixer that
+    no name rule maps is classified by what it reads and writes (:func:`_traced_fields`): never
+    reported as no bias."""
     found = dict(q=False, k=False, v=False, o=False, mlp=False, router=False, experts=False)
-    unnamed = []
-    for layer in pm.layers:
-        mixers = [n for n, m in layer.named_children() if ATTN_NAME.match(n) and not is_norm_module(m)]
+    unknown, unnamed, internal, uncalled = set(), [], [], []
+    for i, layer in enumerate(pm.layers):
+        mixers = [n for n, m in layer.named_children() if ATTN_NAME.match(n) and m not in pm.norms.values()]
         if not mixers:
             continue
         for name, module in layer.named_modules():
+            if module in pm.norms.values():
+                continue
             for pname, p in module.named_parameters(recurse=False):
-                if "bias" not in pname or is_norm_module(module):
+                if "bias" not in pname:
                     continue
                 fields = _bias_fields(name, module, pname, p, name.split(".")[0] in mixers)
-                if fields is None and name not in unnamed:
-                    unnamed.append(name)
-                for field in fields or ():
+                if fields is None:
+                    fields, role = _traced_fields(pm, f"{pm.prefix}.{i}", name)
+                    listed = internal if role == "internal" else uncalled if role == "uncalled" else unnamed
+                    if name not in listed:
+                        listed.append(name)
+                    unknown |= set(fields) if role in ("unknown", "uncalled") else set()
+                    fields = fields if role == "o" else ()
+                for field in fields:
                     found[field] = True
+    found.update({f: None for f in unknown if not found[f]})
     head = pm.model.get_output_embeddings()
     lm_head = head is not None and getattr(head, "bias", None) is not None
-    notes = ["attention linears with a bias that no name rule maps: " + ", ".join(unnamed)] if unnamed else []
+    notes = ["token-mixer linears with a bias that no name rule maps, classified by what they read and "
+             "write (the mixer's input: q/k/v, unknown which; its output: o): " + ", ".join(unnamed)] if unnamed else []
+    notes += ["biased linears inside a token mixer, on neither its input nor its output (not q/k/v/o): "
+              + ", ".join(internal)] if internal else []
+    notes += ["biased linears of a token mixer never called as modules (their weights used directly), "
+              "so q/k/v/o biases are unknown: " + ", ".join(uncalled)] if uncalled else []
     return ProjectionBiases(**found, lm_head=lm_head), notes
+
+
+def _traced_fields(pm, layer, name) -> tuple:
+    """(fields, role) of an unmapped biased linear ``name`` of the layer ``layer``, from the calls
+    the probe recorded: writing the mixer's output, ``(("o",), "o")``; reading the mixer's input,
+    ``(("q", "k", "v"), "unknown")``; neither, ``((), "internal")``; never called, unknown."""
+    mixer, own = pm.calls.get(f"{layer}.{name.split('.')[0]}"), pm.calls.get(f"{layer}.{name}")
+    if not mixer or not own:  # never called as a module: its weight is used directly
+        return ("q", "k", "v", "o"), "uncalled"
+    if same(own[-1][1], mixer[0][1]):
+        return ("o",), "o"
+    if same(own[0][0], mixer[0][0]):
+        return ("q", "k", "v"), "unknown"
+    return (), "internal"
 
 
 def _bias_fields(name, module, pname, p, in_mixer):
@@ -178,9 +251,11 @@ def _bias_fields(name, module, pname, p, in_mixer):
         return ("experts",)
     if re.fullmatch(r"(gate|router|wg|gating)", local) or "router" in pname or per_expert_score:
         return ("router",)
+    if in_mixer and isinstance(module, torch.nn.Conv1d) and module.groups > 1:
+        return ()  # a grouped (depthwise) convolution of a mixer (Mamba's conv1d): not a projection
     if in_mixer and (isinstance(module, (torch.nn.Linear, torch.nn.Conv1d)) or type(module).__name__ == "Conv1D"):
         # "qkv" sets q, k and v; "kv" k and v
-        return next((tuple(which) for pattern, which in _BIAS_NAMES if re.fullmatch(pattern, local)), None)
+        return next((tuple(which) for pattern, which in _BIAS_NAMES if re.fullmatch(pattern, local, re.I)), None)
     if not in_mixer and isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D":
         return ("mlp",)
     return ()
@@ -197,12 +272,29 @@ def _default_sizes(defaults) -> dict:
                              or (defaults.hidden_size // num_heads if num_heads and hidden else 0)))
 
 
-def _default_size(tiny: int, text, defaults) -> int:
+_SIZE_KEY = re.compile(r".*(hidden|head|dim|size|expand|rank).*")
+_NOT_SIZE_KEY = re.compile(r".*(token|layer|vocab|position|chunk|window|bucket).*")
+
+
+def _default_size(tiny: int, text, defaults):
     """The default-config value of the config key whose tiny value is ``tiny`` (the probe's sizes
-    are distinct: hidden 64, latent ranks 40 and 24, ...); ``tiny`` itself when no key has it."""
-    keys = [k for k, v in text.to_dict().items() if v == tiny and not isinstance(v, bool)
-            and isinstance(config_attr(defaults, k), int)]
-    return int(config_attr(defaults, "hidden_size" if "hidden_size" in keys else keys[0])) if keys else tiny
+    are distinct: hidden 64, latent ranks 40 and 24, ...); else of a product of two size keys
+    (a linear-attention output norm over ``num_v_heads * head_v_dim``), the value most such
+    products give; None when no key or product gives it, or two values tie."""
+    def size_keys(pattern_ok):
+        return {k: v for k, v in text.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)
+                and isinstance(config_attr(defaults, k), int) and not isinstance(config_attr(defaults, k), bool)
+                and (not pattern_ok or (_SIZE_KEY.match(k) and not _NOT_SIZE_KEY.match(k)))}
+
+    keys = [k for k, v in size_keys(False).items() if v == tiny]
+    if keys:
+        return int(config_attr(defaults, "hidden_size" if "hidden_size" in keys else keys[0]))
+    tiny_sizes = size_keys(True)
+    products = collections.Counter(config_attr(defaults, a) * config_attr(defaults, b)
+                                   for a, b in itertools.combinations(sorted(tiny_sizes), 2)
+                                   if tiny_sizes[a] > 1 and tiny_sizes[b] > 1 and tiny_sizes[a] * tiny_sizes[b] == tiny)
+    ranked = products.most_common(2)
+    return int(ranked[0][0]) if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]) else None
 
 
 def _tiny_summary(text) -> dict:

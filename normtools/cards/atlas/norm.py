@@ -143,9 +143,12 @@ def _probe_casting(module, kind, offset, eps, input_shape, gen):
     if kind == "rms":
         refs = {c: rms_norm_reference(x, weight, eps=eps, offset=offset, casting=c) for c in ("llama", "gemma")}
     else:
-        refs = {"torch": F.layer_norm(x, x.shape[-1:], weight.reshape(-1) if weight is not None else None,
+        # scale offset + w: in the input dtype for torch's layer_norm (Nemotron's weight + 1.0), in
+        # float32 for the float32 convention
+        refs = {"torch": F.layer_norm(x, x.shape[-1:], (weight + offset).reshape(-1) if weight is not None else None,
                                       bias.reshape(-1) if bias is not None else None, eps),
-                "gemma": layer_norm_reference(x, weight, bias, eps=eps)}
+                "gemma": layer_norm_reference(x, weight.float() + offset if weight is not None else None, bias,
+                                              eps=eps)}
     matches = [c for c, ref in refs.items() if ref.dtype == y.dtype and torch.equal(ref, y)]
     if len(matches) == 1:
         return matches[0]
@@ -157,4 +160,66 @@ def _probe_casting(module, kind, offset, eps, input_shape, gen):
 def norm_spec(p) -> NormSpec:
     """NormSpec of a probed norm; an eps the module does not expose is the measured one (3 digits)."""
     eps = p["eps"] if p["eps"] is not None else float(f"{p['eps_measured'] or 0.0:.3g}")
-    return NormSpec(p["kind"], float(eps), bool(p["bias"]), float(p["offset"]), p["casting"])
+    return NormSpec(p["kind"], float(eps), bool(p["bias"]), float(p["offset"]), p["casting"], bool(p["affine"]))
+
+
+def behaves_as_norm(module) -> bool:
+    """A leaf module whose parameters are one or two vectors of one width ``d`` (a scale, a bias)
+    and whose output on rows of width ``d`` is an RMSNorm or a LayerNorm of them
+    (:func:`probe_norm` fits one): a norm whatever its class is called (Nemotron's
+    ``LayerNorm1P``, ``F.layer_norm`` with ``1 + w`` and a bias)."""
+    params = list(module.parameters())
+    if list(module.children()) or not 1 <= len(params) <= 2 or any(p.dim() != 1 for p in params) \
+            or len({p.numel() for p in params}) != 1 or params[0].numel() < 8:
+        return False
+    try:
+        return probe_norm(module, (2, 5, params[0].numel()))["kind"] in ("rms", "layer")
+    except Exception:  # noqa: BLE001 - a module that does not take one tensor of rows is no norm
+        return False
+
+
+# a gate of 32: sigmoid(32) is 1.0 in float32, so silu(32) = 32 exactly, and a power of two
+# scales every float exactly
+GATE = 32.0
+
+
+def with_gate(module):
+    """A gated norm (``norm(x) * silu(gate)`` or ``norm(x * silu(gate))``) as a norm of one input,
+    for :func:`probe_norm`: called with the gate :data:`GATE`, whose SiLU is exactly the identity
+    in float32, its output divided by the gate (gate after the norm) or its input (gate before
+    the norm), both exact. Which one: after the norm the output doubles with the gate; before it
+    (scale invariance) it does not. The wrapper shows the norm's class name, weight, bias, eps."""
+    import torch
+
+    class Gated(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+            self.gate_before = None
+
+        def __getattr__(self, name):
+            try:
+                return super().__getattr__(name)
+            except AttributeError:
+                return getattr(super().__getattr__("inner"), name)
+
+        def _gated(self, x, gate):
+            return self.inner(x, torch.full_like(x, gate))
+
+        def forward(self, x):
+            if self.gate_before is None:
+                once, twice = self._gated(x, GATE).float(), self._gated(x, 2 * GATE).float()
+                self.gate_before = not torch.allclose(twice, 2 * once, rtol=1e-3, atol=0)
+            return self._gated(x / GATE, GATE) if self.gate_before else self._gated(x, GATE) / GATE
+
+    Gated.__name__ = type(module).__name__
+    return Gated(module)
+
+
+def takes_a_gate(module) -> bool:
+    """The norm's forward takes a second tensor (a gate), required or optional."""
+    import inspect
+
+    params = list(inspect.signature(module.forward).parameters.values())[1:]
+    return any(p.name == "gate" or p.default is inspect.Parameter.empty for p in params
+               if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))

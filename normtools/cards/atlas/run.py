@@ -9,6 +9,7 @@ import signal
 import time
 
 from normtools.cards.atlas.card import classify
+from normtools.cards.atlas.norm import behaves_as_norm
 from normtools.cards.atlas.probed import ProbedModel, ProbeError, config_attr, one_line, same
 from normtools.cards.params import is_norm_module
 from normtools.cards.tiny import tiny_config
@@ -110,7 +111,7 @@ def _run(model, config, defaults) -> ProbedModel:
     candidates = _layer_lists(model, num_layers)
     if not candidates:
         raise ProbeError("classify", f"no ModuleList of decoder layers found ({num_layers} expected)")
-    norms = {n: m for n, m in model.named_modules() if is_norm_module(m)}
+    norms = {n: m for n, m in model.named_modules() if is_norm_module(m) or behaves_as_norm(m)}
     rotary = [(n, m) for n, m in model.named_modules()
               if "Rotary" in type(m).__name__ or "Rope" in type(m).__name__]
     rec = _Recorder()
@@ -144,14 +145,21 @@ def _run(model, config, defaults) -> ProbedModel:
 
 
 def _watch(rec, model, candidates, norms, rotary) -> None:
-    """Hooks on every candidate layer and its sublayers, every norm, the LM head and the rotary
-    embeddings."""
+    """Hooks on every candidate layer, its sublayers and the linears with a bias inside them,
+    every norm, the LM head and the rotary embeddings."""
+    import torch
+
+    norm_ids = {id(m) for m in norms.values()}
     for prefix, layers in candidates:
         for i, layer in enumerate(layers):
             rec.watch(f"{prefix}.{i}", layer)
             for child_name, child in layer.named_children():
-                if not is_norm_module(child) and not _SUBLAYER_SKIP.match(child_name):
+                if id(child) not in norm_ids and not _SUBLAYER_SKIP.match(child_name):
                     rec.watch(f"{prefix}.{i}.{child_name}", child)
+            for name, m in layer.named_modules():
+                if name.count(".") >= 1 and id(m) not in norm_ids and isinstance(getattr(m, "bias", None),
+                                                                               torch.nn.Parameter):
+                    rec.watch(f"{prefix}.{i}.{name}", m)
     for name, m in norms.items():
         rec.watch(name, m)
     head = model.get_output_embeddings()

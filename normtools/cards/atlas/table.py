@@ -11,7 +11,7 @@ from normtools.cards.atlas.probed import ProbeError
 from normtools.cards.atlas.run import probe_family
 from normtools.cards.types import ModelNormSpec, SpecError
 
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 ATLAS_FILE = resources.files("normtools.cards").joinpath("data", "atlas.json")
 
 
@@ -102,15 +102,33 @@ def atlas_rows(atlas=None) -> list:
     for model_type, row in sorted(atlas["families"].items()):
         s = ModelNormSpec.from_dict(row["spec"])
         b = s.block_norm
+        pattern = dict(s.layer_pattern)
         rows.append({
-            "model_type": model_type, "norm": b.kind, "eps": b.eps, "scale": "1+w" if b.offset == 1 else "w",
+            "model_type": model_type, "norm": b.kind, "eps": b.eps,
+            "scale": "none" if not b.affine else "1+w" if b.offset == 1 else "w",
             "bias": b.bias, "casting": b.casting, "placement": s.placement,
             "final_norm": s.final_norm is not None, "qk_norm": s.qk_norm.scope,
+            "qk_layers": "none" if s.qk_norm.scope == "none" else "some" if "qk_norm" in pattern else "all",
             "qk_before_rope": s.qk_norm.before_rope, "qk_weight": _qk_weight(row["probe"]),
             "other_norms": len(s.other_norms),
-            "attn_bias": s.biases.q or s.biases.k or s.biases.v, "sinks": s.attention_sinks,
+            "attn_bias": _any_bias(s.biases.q, s.biases.k, s.biases.v), "sinks": s.attention_sinks,
+            "proj_biases": _bias_text(s.biases),
+            "layer_pattern": "; ".join(f"{field}: {text}" for field, text in s.layer_pattern),
         })
     return rows
+
+
+def _any_bias(*flags):
+    """True if any flag is, else None if any is unknown, else False."""
+    return True if any(flags) else None if None in flags else False
+
+
+def _bias_text(biases) -> str:
+    """The projections with a bias, "?" after each whose bias is unknown: "q k v", "q? k? v? o?"."""
+    import dataclasses
+
+    flags = dataclasses.asdict(biases)
+    return " ".join(k if v else f"{k}?" for k, v in flags.items() if v or v is None) or "none"
 
 
 def _qk_weight(probe: dict) -> str:
