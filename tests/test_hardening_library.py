@@ -44,3 +44,18 @@ def test_the_smallest_accepted_eps_normalizes_an_all_zero_row_to_zero(backend):
     eps = torch.finfo(torch.float32).tiny
     y = normtools.rms_norm(torch.zeros(1, 16), torch.ones(16), eps, backend=backend)
     assert torch.equal(y, torch.zeros(1, 16))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("shape", [(2, 16), (1, 16), (16, 1)])
+def test_a_weight_or_bias_that_is_not_one_dimensional_is_refused(backend, shape):
+    """A (2, N) weight has N as its last dimension; Triton would silently use its row 0."""
+    x = torch.randn(3, 16)
+    bad = torch.ones(shape)
+    calls = {"rms_norm weight": lambda: normtools.rms_norm(x, bad, backend=backend),
+             "add_rms_norm weight": lambda: normtools.add_rms_norm(x, x, bad, backend=backend),
+             "layer_norm weight": lambda: normtools.layer_norm(x, bad, None, backend=backend),
+             "layer_norm bias": lambda: normtools.layer_norm(x, torch.ones(16), bad, backend=backend)}
+    for what, call in calls.items():
+        with pytest.raises(ValueError, match="has shape"):
+            call()
