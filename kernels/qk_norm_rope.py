@@ -77,7 +77,7 @@ store or to emulate a rounding.
 import triton
 import triton.language as tl
 
-from normtools._kernels.tiles import load_param, row_block
+from normtools._kernels.tiles import row_block
 
 
 @triton.jit
@@ -402,9 +402,10 @@ def _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
     """s = offset + w of a tile's heads, two halves (float32, (1, BLOCK_H, BLOCK_HALF)).
     Every program reads the weights: evict_last."""
     mask = head_mask[:, None] & half_mask[None, :]
-    w_offsets = heads[:, None].to(tl.int64) * w_head_stride + half[None, :]
-    s1 = load_param(W, w_offsets, mask, offset, 1.0, True)
-    s2 = load_param(W + HEAD_DIM // 2, w_offsets, mask, offset, 1.0, True)
+    w = W + heads[:, None].to(tl.int64) * w_head_stride + half[None, :]
+    s1 = offset + tl.load(w, mask=mask, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    s2 = offset + tl.load(w + HEAD_DIM // 2, mask=mask, other=0.0,
+                          eviction_policy="evict_last").to(tl.float32)
     return s1[None, :, :], s2[None, :, :]
 
 
