@@ -4,5 +4,6 @@ edition (``colab``), the mermaid diagrams rendered to SVG (``diagrams``), the gl
 (``glossary``), and the small computations behind particular chapters: what each QK-Norm scope
 normalizes (``qk_norm_scopes``), moving a norm's scale between offset conventions
 (``scale_offset``) and per-layer QK-Norm computed shard by shard without communication
-(``sharded_qk_norm``). Sits on top of every other layer; nothing in normtools imports it.
+(``sharded_qk_norm``), and chapter 1's figure of one block per norm placement
+(``block_figure``). Sits on top of every other layer; nothing in normtools imports it.
 """
