@@ -5,6 +5,7 @@ edition (``colab``), the mermaid diagrams rendered to SVG (``diagrams``), the gl
 normalizes (``qk_norm_scopes``), moving a norm's scale between offset conventions
 (``scale_offset``) and per-layer QK-Norm computed shard by shard without communication
 (``sharded_qk_norm``), the lines of a decoder layer's forward() that move the residual stream
-(``layer_source``), and chapter 1's figure of one block per norm placement
+(``layer_source``), a checkpoint's norm tensors and their values (``checkpoint_norms``), and
+chapter 1's figure of one block per norm placement
 (``block_figure``). Sits on top of every other layer; nothing in normtools imports it.
 """
