@@ -93,6 +93,15 @@ TRUTH = {
     # OLMo hybrid: attention layers as OLMo 2 (norms on the sublayer outputs, q_norm over H·D
     # on q_proj(x) before RoPE), linear-attention layers with an input_layernorm: mixed
     "olmo_hybrid": ("rms", 1e-6, 0, N, "gemma", "mixed", T, "per_layer", T, NO_BIAS, N),
+    # CTRL: nn.LayerNorm(n_embd, eps=1e-6) before multi_head_attention and ffn (pre-norm); Wq, Wk,
+    # Wv, dense = nn.Linear (bias=True); ffn = Sequential(Linear, ReLU, Linear); final layernorm
+    "ctrl": ("layer", 1e-6, 0, T, "torch", "pre", T, "none", None, ALL, T),
+    # MiniCPM3: Llama-style RMSNorm (eps 1e-5) pre-norms; the final norm reaches lm_head through
+    # hidden_states / logits_scaling and slice_logits_to_keep; attention_bias, mlp_bias False
+    "minicpm3": ("rms", 1e-5, 0, N, "llama", "pre", T, "none", None, NO_BIAS, N),
+    # Nemotron: NemotronLayerNorm1P(nn.LayerNorm): F.layer_norm(x, weight + 1.0, bias, eps) in the
+    # input dtype, norm_eps 1e-5; input/post_attention pre-norms; attention_bias, mlp_bias False
+    "nemotron": ("layer", 1e-5, 1, T, "torch", "pre", T, "none", None, NO_BIAS, N),
 }
 
 
@@ -275,3 +284,140 @@ def test_the_tiny_model_has_a_layer_of_each_kind(committed):
     assert set(config.layers_block_type) == {"mamba", "attention"}
     sublayers = committed["families"]["jamba"]["probe"]["sublayer_placements"]
     assert any("self_attn" in layer for layer in sublayers), sublayers
+
+
+# ------------------------------------------------------------------ issue 30: classes of error
+
+def test_an_unmapped_biased_linear_is_never_reported_as_no_bias(committed):
+    """CTRL's attention holds Wq, Wk, Wv (capitals) and dense, each nn.Linear with a bias: the
+    name rules match in any case. Mamba's dt_proj (nn.Linear, bias=True) is never called as a
+    module (the mixer multiplies ``self.dt_proj.weight`` itself), so the probe cannot see what it
+    feeds: q/k/v/o biases are unknown (None), never False."""
+    import inspect
+
+    from transformers.models.mamba import modeling_mamba
+
+    assert atlas.atlas_spec("ctrl", committed).biases == cards.ProjectionBiases(
+        q=True, k=True, v=True, o=True, mlp=True, lm_head=True)
+    assert "self.dt_proj.weight" in inspect.getsource(modeling_mamba.MambaMixer.slow_forward)
+    biases = atlas.atlas_spec("mamba", committed).biases
+    assert (biases.q, biases.k, biases.v, biases.o) == (None, None, None, None)
+    row = next(r for r in atlas.atlas_rows(committed) if r["model_type"] == "mamba")
+    assert row["attn_bias"] is None and "q?" in row["proj_biases"]
+
+
+def test_final_norm_is_found_through_a_scalar_and_a_token_slice(committed):
+    """MiniCPM3ForCausalLM: ``hidden_states / config.logits_scaling``, then
+    ``slice_logits_to_keep``, then lm_head: its model.norm is the final norm, not an other norm.
+    And the comparison itself: a norm's rows divided by a scalar with the first rows dropped reach
+    the head; rows of another direction do not."""
+    import inspect
+
+    from transformers.models.minicpm3 import modeling_minicpm3
+
+    from normtools.cards.atlas.card import _reaches
+
+    source = inspect.getsource(modeling_minicpm3.MiniCPM3ForCausalLM.forward)
+    assert source.index("/ self.config.logits_scaling") < source.index("self.lm_head(")
+    spec = atlas.atlas_spec("minicpm3", committed)
+    assert spec.final_norm == cards.NormSpec("rms", 1e-5, False, 0.0, "llama")
+    assert not [o for o in spec.other_norms if o.name == "norm"]
+    gen = torch.Generator().manual_seed(0)
+    normed = torch.nn.functional.rms_norm(torch.randn(1, 7, 64, generator=gen), (64,))
+    assert _reaches(normed, normed[:, 3:] / 9.0)
+    assert not _reaches(normed, normed[:, 3:] / 9.0 + 0.01)
+
+
+def test_a_norm_is_recognised_by_what_it_does_not_its_name():
+    """NemotronLayerNorm1P subclasses nn.LayerNorm and calls F.layer_norm with weight + 1.0 and
+    a bias: a norm (of class and of behaviour), LayerNorm with scale 1 + w and a bias, against
+    torch's own layer_norm in float64."""
+    from transformers.models.nemotron.modeling_nemotron import NemotronLayerNorm1P
+
+    from normtools.cards.atlas.norm import behaves_as_norm
+    from normtools.cards.params import is_norm_module
+
+    norm = NemotronLayerNorm1P(48, eps=3e-5)
+    assert is_norm_module(norm) and behaves_as_norm(norm)
+    assert not behaves_as_norm(torch.nn.Linear(48, 48))
+    p = atlas.probe_norm(norm, (3, 5, 48))
+    assert (p["kind"], p["eps"], p["offset"], p["bias"], p["casting"]) == ("layer", 3e-5, 1.0, True, "torch")
+    x = torch.randn(3, 48, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.normal_()
+        norm.bias.normal_()
+        torch.testing.assert_close(norm.double()(x), torch.nn.functional.layer_norm(
+            x, (48,), norm.weight + 1.0, norm.bias, 3e-5))
+
+
+def test_weightless_and_partial_qk_norm_and_a_norm_in_two_roles(committed):
+    """Llama 4: the QK-Norm (Llama4TextL2Norm) has no weight, and runs only where
+    ``use_qk_norm and self.use_rope``: no_rope_layers (default: every fourth layer without RoPE,
+    48 layers) gives QK-Norm on three layers of four. nanochat: one weightless ``norm`` applied to
+    the embeddings and after the layers: the final norm and an other norm."""
+    import inspect
+
+    from transformers.models.llama4 import modeling_llama4
+    from transformers.models.nanochat import modeling_nanochat
+
+    assert "if self.config.use_qk_norm and self.use_rope" in inspect.getsource(modeling_llama4.Llama4TextAttention)
+    config = transformers.Llama4TextConfig()
+    assert config.num_hidden_layers == 48 and config.no_rope_layers == [1, 1, 1, 0] * 12
+    spec = atlas.atlas_spec("llama4_text", committed)
+    assert spec.qk_norm.norm.affine is False
+    assert dict(spec.layer_pattern)["qk_norm"] == "(qk×3, none)×12"
+    assert atlas.atlas_spec("qwen3", committed).qk_norm.norm.affine is True
+    assert inspect.getsource(modeling_nanochat.NanoChatModel.forward).count("self.norm(hidden_states)") == 2
+    nanochat = atlas.atlas_spec("nanochat", committed)
+    assert nanochat.final_norm is not None and not nanochat.final_norm.affine
+    assert [o.name for o in nanochat.other_norms] == ["norm (also the final norm)"]
+
+
+def test_an_other_norm_has_its_default_size(committed):
+    """MiniMax-01's linear attention: ``self.norm = MiniMaxRMSNorm(self.head_dim *
+    self.num_attention_heads)``; the defaults have 32 heads and hidden 4096, head_dim None
+    (hidden / heads): the norm is 4096 wide, not the tiny model's 32."""
+    config = transformers.MiniMaxConfig()
+    spec = atlas.atlas_spec("minimax", committed)
+    norm = next(o for o in spec.other_norms if o.name == "self_attn.norm")
+    assert norm.dim == config.hidden_size // config.num_attention_heads * config.num_attention_heads == 4096
+
+
+def test_a_gated_norm_is_probed_with_a_gate_whose_silu_is_the_identity(committed):
+    """Qwen3-Next's linear attention: ``Qwen3NextRMSNormGated(head_v_dim, eps=1e-6)``, weight *
+    x̂, times silu(gate.float()): probed with gate 32 (silu(32) == 32 in float32), the card holds
+    an RMSNorm of eps 1e-6 over linear_value_head_dim (128), scale w."""
+    gate = torch.tensor(32.0)
+    assert torch.nn.functional.silu(gate) == gate
+    spec = atlas.atlas_spec("qwen3_next", committed)
+    norm = next(o for o in spec.other_norms if o.name == "linear_attn.norm")
+    assert (norm.dim, norm.norm) == (transformers.Qwen3NextConfig().linear_value_head_dim,
+                                     cards.NormSpec("rms", 1e-6, False, 0.0, "llama"))
+    assert any("gated" in n and "after the norm" in n for n in spec.notes)
+
+
+def test_layer_varying_families_show_their_pattern(capsys, committed):
+    """Qwen3-Next's defaults: layer_types (linear_attention x3, full_attention) x12 over 48 layers,
+    q/k norms only in full attention; the card, ``normtools card`` and ``normtools diff`` show it."""
+    config = transformers.Qwen3NextConfig()
+    assert config.num_hidden_layers == 48
+    assert config.layer_types == (["linear_attention"] * 3 + ["full_attention"]) * 12
+    pattern = dict(atlas.atlas_spec("qwen3_next", committed).layer_pattern)
+    assert pattern == {"qk_norm": "(none×3, qk)×12", "attention": "(linear_attention×3, full_attention)×12"}
+    code, out, _ = run_cli(capsys, "card", "qwen3_next")
+    assert code == 0 and "| Layers: attention | (linear_attention×3, full_attention)×12 |" in out
+    code, out, _ = run_cli(capsys, "diff", "qwen3", "qwen3_next", "--json")
+    assert code == 0 and json.loads(out)["layer_pattern"][0] == []
+    assert atlas.atlas_spec("llama", committed).layer_pattern == ()
+
+
+def test_checkpoint_cards_differ_from_default_cards_where_the_configs_do(committed):
+    """Llama 3 8B's config.json sets rms_norm_eps 1e-5 and 8 kv heads; LlamaConfig's defaults
+    are 1e-6 and 32 (num_key_value_heads None: as many as the heads)."""
+    from normtools.cards.sources import load_bundled_config
+
+    published = load_bundled_config("llama-3-8b")
+    default = transformers.LlamaConfig()
+    d = atlas.checkpoint_differences(committed)["llama-3-8b"]
+    assert d["block_norm.eps"] == [default.rms_norm_eps, published["rms_norm_eps"]]
+    assert d["num_kv_heads"] == [default.num_attention_heads, published["num_key_value_heads"]]

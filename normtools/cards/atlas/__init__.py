@@ -46,9 +46,9 @@ from normtools.cards.atlas.norm import probe_norm
 from normtools.cards.atlas.probed import ProbedModel, ProbeError
 from normtools.cards.atlas.run import probe_family
 from normtools.cards.atlas.table import (ATLAS_FILE, PROBE_VERSION, atlas_rows, atlas_spec, build_atlas,
-                                         causal_lm_model_types, compare_atlases, load_atlas, rule_disagreements,
-                                         save_atlas)
+                                         causal_lm_model_types, checkpoint_differences, compare_atlases, load_atlas,
+                                         rule_disagreements, save_atlas)
 
 __all__ = ["PROBE_VERSION", "ATLAS_FILE", "ProbeError", "ProbedModel", "probe_norm", "probe_family",
            "causal_lm_model_types", "build_atlas", "load_atlas", "save_atlas", "atlas_spec", "atlas_rows",
-           "compare_atlases", "rule_disagreements"]
+           "compare_atlases", "rule_disagreements", "checkpoint_differences"]

@@ -273,26 +273,30 @@ def _default_sizes(defaults) -> dict:
 
 
 _SIZE_KEY = re.compile(r".*(hidden|head|dim|size|expand|rank).*")
-_NOT_SIZE_KEY = re.compile(r".*(token|layer|vocab|position|chunk|window|bucket).*")
+_NOT_SIZE_KEY = re.compile(r".*(token|layers|vocab|position|chunk|window|bucket).*")
 
 
 def _default_size(tiny: int, text, defaults):
     """The default-config value of the config key whose tiny value is ``tiny`` (the probe's sizes
-    are distinct: hidden 64, latent ranks 40 and 24, ...); else of a product of two size keys
+    are distinct: hidden 64, latent ranks 40 and 24, ...); else H·D when ``tiny`` is the tiny
+    model's (MiniMax-01's linear-attention output norm); else of a product of two size keys
     (a linear-attention output norm over ``num_v_heads * head_v_dim``), the value most such
     products give; None when no key or product gives it, or two values tie."""
-    def size_keys(pattern_ok):
+    def size_keys(pattern_ok):  # int keys that are not counts of tokens, layers, positions
         return {k: v for k, v in text.to_dict().items() if isinstance(v, int) and not isinstance(v, bool)
                 and isinstance(config_attr(defaults, k), int) and not isinstance(config_attr(defaults, k), bool)
-                and (not pattern_ok or (_SIZE_KEY.match(k) and not _NOT_SIZE_KEY.match(k)))}
+                and not _NOT_SIZE_KEY.match(k) and (not pattern_ok or _SIZE_KEY.match(k))}
 
     keys = [k for k, v in size_keys(False).items() if v == tiny]
     if keys:
         return int(config_attr(defaults, "hidden_size" if "hidden_size" in keys else keys[0]))
+    tiny_shape, default_shape = _default_sizes(text), _default_sizes(defaults)
+    if tiny == tiny_shape["num_heads"] * tiny_shape["head_dim"]:  # H·D: a norm over all heads' outputs
+        return default_shape["num_heads"] * default_shape["head_dim"] or None
     tiny_sizes = size_keys(True)
-    products = collections.Counter(config_attr(defaults, a) * config_attr(defaults, b)
-                                   for a, b in itertools.combinations(sorted(tiny_sizes), 2)
-                                   if tiny_sizes[a] > 1 and tiny_sizes[b] > 1 and tiny_sizes[a] * tiny_sizes[b] == tiny)
+    pairs = [(a, b) for a, b in itertools.combinations(sorted(tiny_sizes), 2)
+             if tiny_sizes[a] > 1 and tiny_sizes[b] > 1 and tiny_sizes[a] * tiny_sizes[b] == tiny]
+    products = collections.Counter(config_attr(defaults, a) * config_attr(defaults, b) for a, b in pairs)
     ranked = products.most_common(2)
     return int(ranked[0][0]) if ranked and (len(ranked) == 1 or ranked[0][1] > ranked[1][1]) else None
 

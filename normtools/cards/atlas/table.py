@@ -179,3 +179,25 @@ def rule_disagreements(atlas=None) -> dict:
         if d:
             out[model_type] = d
     return out
+
+
+_CHECKPOINT_FIELDS = ("block_norm", "placement", "final_norm", "qk_norm", "biases", "attention_sinks", "hidden_size",
+                      "num_layers", "num_heads", "num_kv_heads", "head_dim")
+
+
+def checkpoint_differences(atlas=None) -> dict:
+    """``{bundled config: {field: [default card's value, checkpoint card's value]}}`` for every
+    published config of :func:`normtools.cards.sources.bundled_configs` whose family the atlas
+    probed: the atlas card is of the config class's defaults, the checkpoint's is read from its
+    config.json (:func:`normtools.cards.sources.load`); fields both cards determine."""
+    from normtools.cards.sources import bundled_configs, load
+    from normtools.cards.types import diff
+
+    atlas = atlas or load_atlas()
+    out = {}
+    for name in bundled_configs():
+        checkpoint, _ = load(name)
+        if checkpoint.model_type in atlas["families"]:
+            d = diff(atlas_spec(checkpoint.model_type, atlas), checkpoint)
+            out[name] = {k: list(v) for k, v in d.items() if k.split(".")[0] in _CHECKPOINT_FIELDS}
+    return out
