@@ -218,19 +218,32 @@ def test_residual_growth_reads_the_stream_after_the_last_block():
         assert row.residual_rms_last == pytest.approx(out.pow(2).mean().sqrt().item(), rel=1e-5)
 
 
-def test_plot_profile_rows_stacks_one_panel_per_metric_with_one_legend():
+def test_plot_profile_rows_stacks_panels_and_labels_each_line_at_its_end():
     import matplotlib
 
     matplotlib.use("Agg")
     import pandas as pd
 
-    df = pd.DataFrame({"layer": [0, 1, 0, 1], "placement": ["pre", "pre", "post", "post"],
-                       "residual_rms": [1.0, 2.0, 1.0, 1.0], "grad_norm": [0.5, 0.4, 0.3, 0.2]})
+    # pre and parallel coincide (as they do at initialization): both must stay visible
+    df = pd.DataFrame({"layer": [0, 1] * 3,
+                       "placement": ["pre"] * 2 + ["parallel"] * 2 + ["post"] * 2,
+                       "residual_rms": [1.0, 2.0, 1.0, 2.0, 1.0, 1.0],
+                       "grad_norm": [0.5, 0.4, 0.5, 0.4, 0.3, 0.2]})
     fig = probes.plot_profile_rows(df, ("residual_rms", "grad_norm"), by="placement", title="t")
     axes = fig.get_axes()
-    assert len(axes) == 2 and all(a.get_legend() is None for a in axes)
+    assert len(axes) == 2 and all(a.get_legend() is None for a in axes) and not fig.legends
     assert axes[0].get_position().y0 > axes[1].get_position().y1  # stacked, not side by side
-    assert [t.get_text() for t in fig.legends[0].get_texts()] == ["pre", "post"]
+    for axis in axes:
+        lines = axis.get_lines()
+        styles = {(line.get_marker(), str(line.get_linestyle())) for line in lines}
+        assert len(styles) == len(lines) == 3  # each line its own marker and dash
+        labels = {text.get_text(): text for text in axis.texts}
+        assert sorted(labels) == ["parallel", "post", "pre"]
+        for line in lines:  # in the line's colour, right of the data
+            assert labels[line.get_label()].get_color() == line.get_color()
+            assert labels[line.get_label()].get_position()[0] > 1
+        heights = sorted(text.get_position()[1] for text in axis.texts)
+        assert min(b - a for a, b in zip(heights, heights[1:])) > 0.05  # no label on another
 
 
 def test_full_table_keeps_long_cells_and_stable_html():

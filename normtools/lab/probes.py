@@ -298,19 +298,30 @@ _METRIC_LABELS = {
 }
 
 
+# (marker, line style) per line, so that lines that coincide stay distinguishable
+_LINE_STYLES = (("o", "-"), ("s", "--"), ("^", ":"), ("D", "-."), ("v", (0, (6, 2, 1, 2))))
+
+
 def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement", ax=None,
                        logy=False):
     """One panel per metric against the layer index, one line per value of column ``by``
-    (a single line if ``df`` has no such column). ``ax``: an Axes or a sequence of Axes, one per
-    metric. Returns the figure."""
+    (a single line if ``df`` has no such column), each with its own marker and line style.
+    ``ax``: an Axes or a sequence of Axes, one per metric. Returns the figure."""
+    from matplotlib.ticker import MaxNLocator
+
     metrics = [metrics] if isinstance(metrics, str) else list(metrics)
     fig, axes = _panels(len(metrics), ax)
     groups = df.groupby(by, sort=False) if by in df.columns else [(None, df)]
     for metric, axis in zip(metrics, axes):
-        for label, part in groups:
+        for i, (label, part) in enumerate(groups):
             part = part.sort_values("layer")
-            axis.plot(part["layer"], part[metric], marker="o", markersize=3, label=label)
+            marker, style = _LINE_STYLES[i % len(_LINE_STYLES)]
+            # hollow markers, and lines drawn later thinner: a line under another shows
+            axis.plot(part["layer"], part[metric], marker=marker, markersize=5,
+                      markerfacecolor="none", linestyle=style,
+                      linewidth=max(2.4 - 0.3 * i, 1.0), label=label)
         axis.set_xlabel("layer")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))
         axis.set_ylabel(_METRIC_LABELS.get(metric, metric))
         if logy:
             axis.set_yscale("log")
@@ -320,26 +331,43 @@ def plot_depth_profile(df, metrics=("residual_rms", "grad_norm"), by="placement"
     return fig
 
 
-def plot_profile_rows(df, metrics, by: str, title: str, width: float = 4.5):
+def plot_profile_rows(df, metrics, by: str, title: str, width: float = 4.5,
+                      panel_height: float = 2.4):
     """:func:`plot_depth_profile` laid out for a phone: one panel per metric, stacked, log
-    scale, one shared legend under the panels instead of one over each. Returns the figure."""
+    scale, each line labelled in its colour at its last point (no legend over the data).
+    Returns the figure."""
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(metrics), 1, figsize=(width, 2.4 * len(metrics) + 1.2),
+    fig, axes = plt.subplots(len(metrics), 1, figsize=(width, panel_height * len(metrics) + 0.6),
                              sharex=True)
     plot_depth_profile(df, metrics=metrics, by=by, ax=list(axes), logy=True)
-    handles, labels = axes[0].get_legend_handles_labels()
     for axis in axes:
         if axis.get_legend() is not None:
             axis.get_legend().remove()
         axis.yaxis.label.set_size(9)
+        _label_line_ends(axis)
     for axis in axes[:-1]:
         axis.set_xlabel("")
     fig.suptitle(title, fontsize=11)
-    fig.legend(handles, labels, loc="lower center", ncol=2, fontsize=9, title=by,
-               title_fontsize=9, frameon=False)
-    fig.tight_layout(rect=(0, 0.11 if len(labels) > 2 else 0.07, 1, 1))
+    fig.tight_layout()
     return fig
+
+
+def _label_line_ends(axis, min_gap: float = 0.085):
+    """Write each line's label right of the axes, in the line's colour, at the height of its
+    last point; labels closer than ``min_gap`` (a fraction of the axes' height) are spread apart."""
+    lines = [line for line in axis.get_lines() if not line.get_label().startswith("_")]
+    axis.get_ylim()  # settle the autoscaled limits before reading positions
+    to_axes = axis.transData + axis.transAxes.inverted()
+    ends = [to_axes.transform((line.get_xdata()[-1], line.get_ydata()[-1]))[1] for line in lines]
+    order = sorted(range(len(lines)), key=lambda i: ends[i])
+    placed = {}
+    for i in order:  # bottom to top, each at least min_gap above the previous
+        placed[i] = max(ends[i], max(placed.values(), default=-1.0) + min_gap)
+    overflow = max(max(placed.values(), default=0.0) - 1.0, 0.0)
+    for i, line in enumerate(lines):
+        axis.text(1.02, placed[i] - overflow, line.get_label(), transform=axis.transAxes,
+                  color=line.get_color(), fontsize=9, va="center", ha="left", clip_on=False)
 
 
 def _panels(n: int, ax=None):
