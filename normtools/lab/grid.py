@@ -2,7 +2,8 @@
 
 One *cell* of a grid is a dict of :class:`normtools.lab.tinylm.TinyLMConfig` fields plus the peak
 learning rate ``lr``, and optionally the ``seed`` and the training options of
-:data:`_TRAIN_FIELDS` (``precision``, ``z_loss_coef``), e.g.
+:data:`_TRAIN_FIELDS` (``precision``, ``z_loss_coef``, ``grad_clip`` (None: no clipping), ``weight_decay``,
+``independent_weight_decay``, ``qk_gain_weight_decay``), e.g.
 ``{"placement": "pre", "qk_norm": "per_head", "lr": 3e-2, "seed": 1}``.
 :func:`run_grid` trains a fresh TinyLM per cell, on the same data; cells with the same seed
 share the initialization of the weights they have in common and see the same batches in the
@@ -60,7 +61,8 @@ STABILITY_SIZES = {
 
 _CONFIG_FIELDS = {f.name for f in fields(TinyLMConfig)}
 #: Cell fields that go to :func:`normtools.lab.train.train` rather than to the model.
-_TRAIN_FIELDS = ("precision", "z_loss_coef")
+_TRAIN_FIELDS = ("precision", "z_loss_coef", "grad_clip", "weight_decay", "independent_weight_decay",
+                 "qk_gain_weight_decay")
 
 
 def cells(**axes) -> list[dict]:
@@ -138,7 +140,8 @@ def _attention_summary(model: nn.Module, batch) -> dict[str, float]:
     """:func:`normtools.lab.probes.low_precision_attention` (bfloat16) of every layer's logits on
     ``batch``, combined over layers: the max of ``logit_max``, ``spacing_at_max``,
     ``rounding_error_max`` and ``prob_error_max``, the mean of ``entropy``,
-    ``entropy_rounded`` and ``saturated``. In a soft-capped model these are of the capped
+    ``entropy_rounded``, ``saturated``, ``argmax_changed`` and ``tv_mean`` (every layer has
+    the same queries). In a soft-capped model these are of the capped
     logits c·tanh(s/c), the values its softmax sees."""
     x, _ = split_batch(batch)
     was_training = model.training
@@ -155,7 +158,7 @@ def _attention_summary(model: nn.Module, batch) -> dict[str, float]:
     model.train(was_training)
     combine = {"logit_max": max, "spacing_at_max": max, "rounding_error_max": max,
                "prob_error_max": max, "entropy": np.mean, "entropy_rounded": np.mean,
-               "saturated": np.mean}
+               "saturated": np.mean, "argmax_changed": np.mean, "tv_mean": np.mean}
     return {k: float(f([row[k] for row in per_layer])) for k, f in combine.items()}
 
 

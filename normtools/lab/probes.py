@@ -399,6 +399,10 @@ def low_precision_attention(logits: torch.Tensor, valid: torch.Tensor,
         entropy_rounded     the same for p = softmax(round(s))
         saturated           fraction of queries whose largest p_j ≥ ``saturation``
         prob_error_max      max |softmax(s) − softmax(round(s))| over the pairs
+        argmax_changed      fraction of queries whose arg-max key differs between s and
+                            round(s) (ties in round(s) broken towards the first key)
+        tv_mean             mean over queries of the total-variation distance
+                            ½ Σ_j |softmax(s)_j − softmax(round(s))_j|
     """
     s = logits.detach().float()
     valid = valid.expand_as(s)
@@ -422,6 +426,9 @@ def low_precision_attention(logits: torch.Tensor, valid: torch.Tensor,
         "entropy_rounded": entropy_rounded,
         "saturated": (p.amax(-1) >= saturation).float().mean().item(),
         "prob_error_max": (p - p_rounded)[valid].abs().max().item(),
+        "argmax_changed": (s.masked_fill(~valid, float("-inf")).argmax(-1)
+                           != rounded.masked_fill(~valid, float("-inf")).argmax(-1)).float().mean().item(),
+        "tv_mean": (0.5 * (p - p_rounded).abs().sum(-1)).mean().item(),
     }
 
 

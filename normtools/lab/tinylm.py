@@ -50,7 +50,8 @@ every logit it sees lies in (−c, c); ``attn.logits`` keeps s itself, before th
 MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``, hidden width ≈ 8/3 · width (Llama).
 
 Init (GPT-2 / nanoGPT): every linear and embedding weight ~ N(0, init_std²), init_std = 0.02
-by default; with ``scaled_residual_init`` (off by default) the two projections that write into
+by default (``embed_std``, when set, replaces it for the embedding: 1.0 gives embeddings of unit
+RMS, the initialization OLMo 2 §3.4.2 and Xiong et al. assume); with ``scaled_residual_init`` (off by default) the two projections that write into
 the residual stream (``o_proj``, ``down_proj``) use std init_std / √(2·depth) instead. Norm
 weights start at 1, biases at 0. No biases in linear layers; the embedding and the output head
 are not tied.
@@ -99,6 +100,7 @@ class TinyLMConfig:
     eps: float = 1e-5
     rope_theta: float = 10000.0
     init_std: float = 0.02
+    embed_std: float | None = None    # std of the embedding's init; None: init_std (GPT-2)
     scaled_residual_init: bool = False  # True: residual projections std / √(2·depth) (nanoGPT)
     backend: str = "auto"             # normtools backend of every norm: "auto", "torch", "triton"
     attn_softcap: float | None = None  # c: softmax of c·tanh(s/c) (Gemma 2: 50); None: no cap
@@ -126,6 +128,8 @@ class TinyLMConfig:
             raise ValueError(f"ngpt's norms are its own (SphereNorm); norm must stay 'rms', got {self.norm!r}")
         if self.placement == "ngpt" and self.qk_norm != "none":
             raise ValueError(f"ngpt normalizes q and k itself; qk_norm must stay 'none', got {self.qk_norm!r}")
+        if self.init_std <= 0 or (self.embed_std is not None and self.embed_std <= 0):
+            raise ValueError(f"init_std and embed_std must be positive, got {self.init_std}, {self.embed_std}")
         _validate.check_eps(self.eps)
         _validate.check_backend(self.backend)
         if self.attn_softcap is not None and not self.attn_softcap > 0:
@@ -408,6 +412,9 @@ class TinyLM(nn.Module):
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 is_residual = name.endswith(("o_proj", "down_proj"))
                 gain = beta if name.endswith(("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) else 1.0
+                if name == "embed" and self.config.embed_std is not None:
+                    nn.init.normal_(module.weight, mean=0.0, std=self.config.embed_std)
+                    continue
                 nn.init.normal_(module.weight, mean=0.0, std=gain * (residual_std if is_residual else std))
         self.normalize_weights()
 

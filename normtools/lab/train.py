@@ -51,12 +51,25 @@ def lr_at(step: int, steps: int, lr: float, warmup: int, min_lr_ratio: float = 0
 
 
 def _make_optimizer(model: nn.Module, lr: float, weight_decay: float = 0.1,
-                    betas: tuple[float, float] = (0.9, 0.95)) -> torch.optim.AdamW:
-    """AdamW; weight decay on matrices (dim ≥ 2) only, not on norm weights and biases (nanoGPT)."""
-    params = [p for p in model.parameters() if p.requires_grad]
+                    betas: tuple[float, float] = (0.9, 0.95), independent_weight_decay: bool = False,
+                    qk_gain_weight_decay: bool = False) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (dim ≥ 2) only, not on norm weights and biases (nanoGPT);
+    with ``qk_gain_weight_decay`` also on the QK-Norm gains (``…qk_norm.q_weight``/``k_weight``).
+
+    torch's AdamW shrinks a decayed parameter by p ← p·(1 − η_t·λ) at step t, so the decay is
+    coupled to the learning rate η_t. ``independent_weight_decay`` (Wortsman et al. 2023,
+    "independent weight decay") sets λ' = λ/η, η the peak learning rate, so that
+    p ← p·(1 − λ·η_t/η): the decay follows the schedule's shape but not the peak rate, and a
+    learning-rate sweep changes the update alone."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+    def decayed(name, p):
+        return p.dim() >= 2 or (qk_gain_weight_decay and ".qk_norm." in f".{name}")
+
+    decay = weight_decay / lr if independent_weight_decay else weight_decay
     groups = [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        {"params": [p for n, p in params if decayed(n, p)], "weight_decay": decay},
+        {"params": [p for n, p in params if not decayed(n, p)], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas)
 
@@ -97,32 +110,66 @@ def loss_terms(model: nn.Module, batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, data, split: str = "val", batches: int = 4, batch_size: int = 16,
+def evaluate(model: nn.Module, data, split: str = "val", batches: int | str = 4, batch_size: int = 16,
              seq_len: int | None = None, seed: int = 1234) -> float:
-    """Mean next-token loss over ``batches`` fixed (seeded) batches of ``split``."""
+    """Mean next-token loss of ``model`` on ``split``, in float32 (outside any autocast).
+
+    ``batches`` an int: over that many fixed (seeded) random batches. ``batches="all"``: over
+    the whole split, cut into consecutive windows of ``seq_len`` tokens (the last partial window
+    dropped), every predicted byte weighted once: ℓ = (1/N) Σ_t −log p(x_{t+1} | window of t)."""
     seq_len = seq_len or model.config.max_seq_len
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
     was_training = model.training
     model.eval()
-    losses = [loss_terms(model, data.get_batch(split, batch_size, seq_len, generator, device))[0].item()
-              for _ in range(batches)]
+    with torch.autocast(device.type, enabled=False):
+        if batches == "all":
+            ids = data.train if split == "train" else data.val
+            n_windows = (ids.numel() - 1) // seq_len
+            starts = torch.arange(n_windows) * seq_len
+            offsets = torch.arange(seq_len)
+            total, count = 0.0, 0
+            for chunk in starts.split(256):
+                x = ids[chunk[:, None] + offsets].to(device)
+                y = ids[chunk[:, None] + offsets + 1].to(device)
+                loss = loss_terms(model, (x, y))[0].double().item()
+                total, count = total + loss * y.numel(), count + y.numel()
+            result = total / count
+        elif isinstance(batches, int) and batches > 0:
+            generator = torch.Generator().manual_seed(seed)
+            result = float(np.mean([
+                loss_terms(model, data.get_batch(split, batch_size, seq_len, generator, device))[0].item()
+                for _ in range(batches)]))
+        else:
+            raise ValueError(f"batches must be a positive int or 'all', got {batches!r}")
     model.train(was_training)
-    return float(np.mean(losses))
+    return result
+
+
+def byte_unigram_loss(data) -> float:
+    """The loss of the best model that ignores context: the cross-entropy of the validation
+    bytes under the training split's byte frequencies p̂(b) (add-one smoothed),
+    −(1/N) Σ_t log p̂(x_t). A run whose final loss stays at this level has learned nothing but
+    byte frequencies ("stalled", :func:`normtools.lab.verdicts.run_outcome`)."""
+    counts = torch.bincount(data.train, minlength=data.vocab_size).double() + 1.0
+    log_p = torch.log(counts / counts.sum())
+    return float(-log_p[data.val].mean())
 
 
 def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16,
           seq_len: int | None = None, warmup: int | None = None, min_lr_ratio: float = 0.1,
           weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
           grad_clip: float | None = 1.0, precision: str = "auto", z_loss_coef: float = 0.0,
-          seed: int = 0, eval_batches: int = 4, quiet: bool = False) -> "pandas.DataFrame":
+          independent_weight_decay: bool = False, qk_gain_weight_decay: bool = False,
+          seed: int = 0, eval_batches: int | str = 4, quiet: bool = False) -> "pandas.DataFrame":
     """Train ``model`` in place for ``steps`` steps on ``data`` (a :class:`normtools.lab.data.TextData`)
     and return one record per step (see module docs).
 
     ``warmup`` defaults to 10 % of the steps; ``grad_clip=None`` disables clipping;
     ``z_loss_coef`` > 0 minimizes cross-entropy + z_loss_coef · :func:`z_loss` (PaLM: 1e-4);
     ``precision`` is one of :data:`_PRECISIONS` (see :func:`autocast_for`; the validation loss is
-    computed in the same precision); ``quiet`` turns the progress bar off. A model with an
+    always computed in float32, :func:`evaluate`, over ``eval_batches`` batches or the whole
+    split with ``"all"``); ``independent_weight_decay`` and ``qk_gain_weight_decay``: see
+    :func:`_make_optimizer`; ``quiet`` turns the progress bar off. A model with an
     ``after_optimizer_step()`` method has it called after every optimizer step (TinyLM: nGPT's
     weight renormalization). With ``eval_batches > 0`` the validation loss before and after
     training is in ``df.attrs["initial_loss"]`` and ``df.attrs["final_loss"]``. A run whose loss
@@ -141,13 +188,13 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
-    optimizer = _make_optimizer(model, lr, weight_decay, betas)
+    optimizer = _make_optimizer(model, lr, weight_decay, betas, independent_weight_decay,
+                                qk_gain_weight_decay)
     after_step = getattr(model, "after_optimizer_step", None)  # TinyLM: nGPT's renormalization
     depth = len(decoder_layers(model))
     attrs = {"lr": lr, "steps": steps, "precision": precision, "z_loss_coef": z_loss_coef}
     if eval_batches:
-        with autocast:
-            attrs["initial_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
+        attrs["initial_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
 
     records = []
     model.train()
@@ -189,8 +236,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
             break
     bar.close()
     if eval_batches:
-        with autocast:
-            attrs["final_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
+        attrs["final_loss"] = evaluate(model, data, "val", eval_batches, batch_size, seq_len)
     df = pd.DataFrame(records)
     df.attrs.update(attrs)
     return df

@@ -1,0 +1,146 @@
+"""The statistics beside every verdict of the committed studies (chapters 4a and 7).
+
+Runs of two variants with the same seed share their initialization of the common weights and
+see the same batches (:func:`normtools.lab.grid.run_cell`), so variants are compared **paired by
+seed**: d_s = m(arm, s) − m(baseline, s) for each seed s present in both, and
+
+* the effect is the mean difference d̄ = (1/n) Σ_s d_s;
+* its confidence interval is the percentile bootstrap of d̄ over the pairs
+  (:func:`paired_bootstrap_ci`: resample the n pairs with replacement, take the
+  (1−c)/2 and (1+c)/2 quantiles of the resampled means);
+* the p-value is the exact two-sided sign test (:func:`sign_test_p`), the p-value of the
+  criterion "lower (or higher) in k of n seeds": "lower in every one of 3 seeds" is p = 1/4
+  two-sided (1/8 one-sided);
+* a verdict ("lower", "higher") needs the interval to exclude zero; otherwise it is
+  "not shown", printed with the minimum detectable effect (:func:`minimum_detectable_effect`).
+
+Quantities that grow by orders of magnitude (peak attention logits) are compared as log10
+ratios (``log=True``): the effect is then the mean of log10(arm/baseline).
+
+One failure criterion for both chapters, :func:`run_outcome`: a run *diverged* (non-finite loss),
+*stalled* (final loss within ``stall_margin`` nats of the byte-unigram loss,
+:func:`normtools.lab.train.byte_unigram_loss`), or *trained*.
+"""
+
+from __future__ import annotations
+
+import math
+from statistics import NormalDist
+
+import numpy as np
+
+#: The statistics' settings, fixed before a study runs and recorded in its JSON
+#: (:class:`normtools.lab.studies.Study`): confidence level, bootstrap resamples and seed, the
+#: power of the minimum detectable effect, and the failure criterion's margin in nats.
+DEFAULT_THRESHOLDS = {"confidence": 0.95, "bootstrap_resamples": 10_000, "bootstrap_seed": 0,
+                      "power": 0.8, "stall_margin_nats": 0.05}
+
+OUTCOMES = ("trained", "stalled", "diverged")
+
+
+def paired_bootstrap_ci(differences, confidence: float = 0.95, resamples: int = 10_000,
+                        seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean of paired ``differences``: the (1−c)/2 and
+    (1+c)/2 quantiles of the means of ``resamples`` resamples (with replacement, n of n)."""
+    d = np.asarray(differences, dtype=np.float64)
+    if d.ndim != 1 or d.size < 2 or not np.all(np.isfinite(d)):
+        raise ValueError(f"need at least 2 finite paired differences, got {d}")
+    if not 0 < confidence < 1 or resamples < 1:
+        raise ValueError(f"confidence must be in (0, 1) and resamples ≥ 1, got {confidence}, {resamples}")
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, d.size, size=(resamples, d.size))].mean(axis=1)
+    tail = (1 - confidence) / 2
+    low, high = np.quantile(means, [tail, 1 - tail])
+    return float(low), float(high)
+
+
+def sign_test_p(differences) -> float:
+    """Exact two-sided sign test: with k of the n non-zero differences positive,
+    p = min(1, 2 · Σ_{i ≤ min(k, n−k)} C(n, i) / 2ⁿ) (zero differences are dropped; no
+    non-zero difference gives p = 1)."""
+    d = np.asarray(differences, dtype=np.float64)
+    d = d[d != 0]
+    n = int(d.size)
+    if n == 0:
+        return 1.0
+    k = int(min((d > 0).sum(), (d < 0).sum()))
+    return min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n)
+
+
+def minimum_detectable_effect(differences, confidence: float = 0.95, power: float = 0.8) -> float:
+    """The smallest mean difference that n pairs with the observed spread would detect:
+    (z_{(1+c)/2} + z_{power}) · s / √n, s the sample standard deviation (ddof 1) of the
+    differences (a normal approximation)."""
+    d = np.asarray(differences, dtype=np.float64)
+    if d.size < 2:
+        raise ValueError("need at least 2 paired differences")
+    z = NormalDist().inv_cdf((1 + confidence) / 2) + NormalDist().inv_cdf(power)
+    return float(z * d.std(ddof=1) / math.sqrt(d.size))
+
+
+def compare_paired(baseline, arm, *, log: bool = False, thresholds: dict | None = None) -> dict:
+    """The paired comparison of ``arm`` against ``baseline`` (two equal-length sequences, one
+    value per seed, same seed order): n, effect (mean of arm − baseline, or of
+    log10(arm/baseline) with ``log``), ci_low, ci_high (:func:`paired_bootstrap_ci`), p_sign
+    (:func:`sign_test_p`), mde (:func:`minimum_detectable_effect`), and ``verdict``: "lower" or
+    "higher" when the interval excludes 0, else "not shown"."""
+    t = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
+    a, b = np.asarray(baseline, dtype=np.float64), np.asarray(arm, dtype=np.float64)
+    if a.shape != b.shape:
+        raise ValueError(f"baseline and arm must pair up, got {a.shape} and {b.shape}")
+    d = np.log10(b / a) if log else b - a
+    low, high = paired_bootstrap_ci(d, t["confidence"], t["bootstrap_resamples"], t["bootstrap_seed"])
+    verdict = "lower" if high < 0 else "higher" if low > 0 else "not shown"
+    return {"n": int(d.size), "effect": float(d.mean()), "ci_low": low, "ci_high": high,
+            "p_sign": sign_test_p(d), "mde": minimum_detectable_effect(d, t["confidence"], t["power"]),
+            "verdict": verdict}
+
+
+def verdict_text(result: dict, unit: str = "", fmt: str = "{:+.3g}") -> str:
+    """One line for a chapter: "lower by 0.12 [0.08, 0.15] nats, sign test p = 0.002 (n = 10)",
+    or "not shown: +0.01 [−0.02, 0.04] nats, minimum detectable effect 0.05 (n = 10)"."""
+    unit = f" {unit}" if unit else ""
+    interval = f"{fmt.format(result['effect'])} [{fmt.format(result['ci_low'])}, " \
+               f"{fmt.format(result['ci_high'])}]{unit}"
+    if result["verdict"] == "not shown":
+        return (f"not shown: {interval}, minimum detectable effect "
+                f"{abs(result['mde']):.2g}{unit} (n = {result['n']})")
+    return f"{result['verdict']}: {interval}, sign test p = {result['p_sign']:.2g} (n = {result['n']})"
+
+
+def paired_by_seed(table, metric: str, baseline: dict, arm: dict):
+    """(baseline values, arm values) of ``metric`` for the seeds present in both selections of
+    ``table`` (rows whose columns equal each dict's values, e.g. ``{"variant": "Pre-LN",
+    "lr": 0.1}``), in seed order."""
+    def select(match):
+        rows = table
+        for k, v in match.items():
+            rows = rows[np.isclose(rows[k], v)] if isinstance(v, float) else rows[rows[k] == v]
+        return rows.set_index("seed")[metric]
+
+    a, b = select(baseline), select(arm)
+    seeds = sorted(set(a.index) & set(b.index))
+    if len(seeds) < 2:
+        raise ValueError(f"fewer than 2 seeds in both {baseline} and {arm}")
+    return a.loc[seeds].to_numpy(dtype=float), b.loc[seeds].to_numpy(dtype=float)
+
+
+def run_outcome(final_loss: float, unigram_loss: float, stall_margin: float = 0.05,
+                diverged: bool = False) -> str:
+    """"diverged" (``diverged`` or a non-finite final loss), "stalled" (final loss ≥ the
+    byte-unigram loss − ``stall_margin`` nats: nothing learned beyond byte frequencies) or
+    "trained"."""
+    if diverged or not math.isfinite(final_loss):
+        return "diverged"
+    return "stalled" if final_loss >= unigram_loss - stall_margin else "trained"
+
+
+def outcome_counts(table, unigram_loss: float, stall_margin: float = 0.05,
+                   by=("variant", "lr")) -> "pandas.DataFrame":
+    """Per group of ``by``: how many runs trained, stalled and diverged (:func:`run_outcome`)."""
+    import pandas as pd
+
+    outcomes = [run_outcome(loss, unigram_loss, stall_margin, bool(div))
+                for loss, div in zip(table["final_loss"], table.get("diverged", [False] * len(table)))]
+    counts = pd.crosstab([table[c] for c in by], pd.Series(outcomes, index=table.index, name="outcome"))
+    return counts.reindex(columns=list(OUTCOMES), fill_value=0)
