@@ -91,11 +91,12 @@ class Study:
         return settings
 
     def cells(self, size: str = "cpu", size_settings: dict | None = None) -> list[dict]:
-        """Every run of the study: one cell per variant, learning rate and seed."""
+        """Every run of the study: one cell per variant, learning rate and seed, seed by seed
+        (a partial study holds whole seeds of every variant: its runs pair up)."""
         lrs = self.settings(size, size_settings)["lrs"]
-        return [{**fields_, "lr": lr, "seed": seed, "variant": label}
+        return [{**fields_, "lr": lr, "seed": seed, "variant": label} for seed in self.seeds
                 for label, fields_ in self.variants.items()
-                for lr in self.variant_lrs.get(label, lrs) for seed in self.seeds]
+                for lr in self.variant_lrs.get(label, lrs)]
 
 
 _BASE = {"placement": "pre", "qk_norm": "none"}
