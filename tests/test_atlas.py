@@ -248,15 +248,15 @@ def test_llama4_weightless_qk_norm_is_recorded_as_its_qk_norm(committed):
 
 def test_gated_norms_of_linear_attention_are_norms_and_named(committed):
     """Qwen3-Next's linear-attention layers hold a Qwen3NextRMSNormGated (its forward takes a
-    gate); it is a norm module and the card names it, with why it was not probed."""
+    gate); it is a norm module, and the card holds it with a note that it is gated."""
     from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNormGated
 
     from normtools.cards.params import is_norm_module
 
     assert is_norm_module(Qwen3NextRMSNormGated(8))
     spec = atlas.atlas_spec("qwen3_next", committed)
-    assert any(note.startswith("linear_attn.norm: Qwen3NextRMSNormGated not probed")
-               for note in spec.notes), spec.notes
+    assert any(note.startswith("linear_attn.norm: Qwen3NextRMSNormGated is gated") for note in spec.notes), spec.notes
+    assert "linear_attn.norm" in [o.name for o in spec.other_norms]
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_next", "olmo_hybrid", "qwen3"])
@@ -299,7 +299,7 @@ def test_an_unmapped_biased_linear_is_never_reported_as_no_bias(committed):
 
     assert atlas.atlas_spec("ctrl", committed).biases == cards.ProjectionBiases(
         q=True, k=True, v=True, o=True, mlp=True, lm_head=True)
-    assert "self.dt_proj.weight" in inspect.getsource(modeling_mamba.MambaMixer.slow_forward)
+    assert "time_step = self.dt_proj.weight @ " in inspect.getsource(modeling_mamba.MambaMixer)
     biases = atlas.atlas_spec("mamba", committed).biases
     assert (biases.q, biases.k, biases.v, biases.o) == (None, None, None, None)
     row = next(r for r in atlas.atlas_rows(committed) if r["model_type"] == "mamba")

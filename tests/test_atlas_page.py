@@ -54,8 +54,8 @@ def _check_table(page, committed):
                     "/src/transformers/models/olmo2/modeling_olmo2.py")
 
 
-@pytest.fixture(scope="module")
-def chromium():
+@pytest.fixture
+def chromium():  # closed before the built page's test opens its own (one Playwright at a time)
     _require(CHROMIUM is not None, "Chromium is not installed (apt-get install chromium)")
     try:
         from playwright.sync_api import sync_playwright

@@ -56,7 +56,8 @@ def _run_atlas(args) -> int:
             committed = {**committed, "families": {t: r for t, r in committed["families"].items() if t in types},
                          "not_probed": {t: r for t, r in committed["not_probed"].items() if t in types}}
         changes = atlas.compare_atlases(committed, fresh)
-        print(json.dumps({"transformers": [committed["transformers"], fresh["transformers"]], **changes}, indent=2))
+        print(json.dumps({"transformers": [committed["transformers"], fresh["transformers"]],
+                          "probe_version": [committed["probe_version"], fresh["probe_version"]], **changes}, indent=2))
         if args.refresh:
             atlas.save_atlas(fresh, args.atlas)
             print(f"atlas: {len(fresh['families'])} families probed, {len(fresh['not_probed'])} listed "
