@@ -2,22 +2,14 @@
 (``import normtools.tp``, ``from normtools.tp import qk_norm``).
 
 The code lives in the library, ``normtools.core.tp`` (the math and the all-reduce of the sum of
-squares are described there); this module is its public name.
+squares are described there) and ``normtools.core.tp_dtensor`` (PyTorch's DTensor engine: the
+ops' sharding rules, registered on import, and the ``QKNormParallel`` style); this module is
+their public name. Running processes (``spawn``) and the chapter's demonstration live in
+``normtools.measure``.
 """
 
-from normtools.core.tp import (
-    compare_naive_vs_allreduce,
-    demo_errors,
-    demo_inputs,
-    head_range,
-    qk_norm,
-    run_all,
-    run_sharded_qk_norm,
-    shard_columns,
-    shard_weight,
-    spawn,
-    unshard_columns,
-)
+from normtools.core.tp import head_range, qk_norm, shard_columns, shard_weight, unshard_columns
+from normtools.core.tp_dtensor import NormalizedDimShardError, QKNormParallel
 
 __all__ = [
     "head_range",
@@ -25,10 +17,6 @@ __all__ = [
     "shard_columns",
     "unshard_columns",
     "qk_norm",
-    "spawn",
-    "run_all",
-    "run_sharded_qk_norm",
-    "demo_inputs",
-    "demo_errors",
-    "compare_naive_vs_allreduce",
+    "QKNormParallel",
+    "NormalizedDimShardError",
 ]
