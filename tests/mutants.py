@@ -25,10 +25,10 @@ MUTANTS = {
         "normtools/lab/train.py", "OLMO2_SPIKE_K = 1000, 7.0", "OLMO2_SPIKE_K = 1000, 6.0",
         ["tests/test_hardening_lab.py"]),
     "weight check relaxed to the last dimension": (
-        "normtools/core/_validate.py", "if param.shape != (n,):", "if param.shape[-1] != n:",
+        "normtools/core/validate.py", "if param.shape != (n,):", "if param.shape[-1] != n:",
         ["tests/test_hardening_library.py", "-k", "one_dimensional"]),
     "eps check back to > 0": (
-        "normtools/core/_validate.py", "if not SMALLEST_EPS <= eps < math.inf:", "if not 0 < eps < math.inf:",
+        "normtools/core/validate.py", "if not SMALLEST_EPS <= eps < math.inf:", "if not 0 < eps < math.inf:",
         ["tests/test_hardening_library.py", "-k", "eps"]),
     "shard_columns without its width check": (
         "normtools/core/tp.py", "    if x.shape[-1] != num_heads * head_dim:", "    if False:",

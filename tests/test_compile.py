@@ -1,7 +1,7 @@
 """torch.compile(fullgraph=True) over the normtools ops with several eps and offsets.
 
 Once Dynamo has seen two values of a float argument it traces it as a symbolic float; the input
-checks (``normtools.core._validate``) must then trace too instead of breaking the graph (they
+checks (``normtools.core.validate``) must then trace too instead of breaking the graph (they
 once called ``math.isfinite`` on it). Everything runs in this one process, with CPU Inductor,
 the way QuACK's own tests compile their norms: the same function with a second and a third eps,
 and two modules with different eps. The compiled results are compared with eager ones, forward

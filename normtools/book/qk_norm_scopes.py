@@ -9,7 +9,7 @@
 
 import torch
 
-from normtools.core import _validate
+from normtools.core import validate
 from normtools.core.qk import qk_norm
 
 
@@ -53,7 +53,7 @@ def head_rms(x, head_dim):
 
     rms_h = sqrt(mean over the head's head_dim features of x²)
     """
-    _validate.check_input(x)
+    validate.check_input(x)
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     if x.shape[-1] % head_dim:

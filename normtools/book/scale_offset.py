@@ -13,7 +13,7 @@ is rounded, and 1 + w loses the low bits of a small w (in bfloat16, 1 + 2⁻⁹ 
 
 import torch
 
-from normtools.core import _validate
+from normtools.core import validate
 
 
 def convert_scale(weight, from_offset, to_offset, dtype=None):
@@ -26,8 +26,8 @@ def convert_scale(weight, from_offset, to_offset, dtype=None):
         raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
     if not weight.is_floating_point():
         raise TypeError(f"weight must be a floating tensor, got {weight.dtype}")
-    _validate.check_offset(from_offset)
-    _validate.check_offset(to_offset)
+    validate.check_offset(from_offset)
+    validate.check_offset(to_offset)
     dtype = weight.dtype if dtype is None else dtype
     shift = float(from_offset) - float(to_offset)
     return (weight.to(torch.float32) + shift).to(dtype)

@@ -28,7 +28,7 @@ import inspect
 import sys
 import types
 
-from normtools.core import _validate
+from normtools.core import validate
 from normtools.core.modules import LayerNorm, RMSNorm
 from normtools.core.rope import qk_norm_rope
 from normtools.cards.derive import from_hf_config
@@ -56,7 +56,7 @@ def patch(model, backend="auto", *, fuse_qk_rope=False):
     replaced module names. Raises :class:`PatchError`, before changing anything, when the model's
     spec cannot be matched.
     """
-    _validate.check_backend(backend)
+    validate.check_backend(backend)
     swaps = _plan(model)
     problems = [p for swap in swaps for p in _check(model, swap)]
     attentions = _fusable_attentions(model, problems) if fuse_qk_rope else []

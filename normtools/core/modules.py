@@ -6,7 +6,7 @@ Both have a ``backend`` attribute ("auto", "torch" or "triton"; ``normtools.patc
 import torch
 from torch import nn
 
-from normtools.core import _validate
+from normtools.core import validate
 from normtools.core.ops import layer_norm, rms_norm
 
 __all__ = ["RMSNorm", "LayerNorm"]
@@ -22,9 +22,9 @@ class RMSNorm(nn.Module):
 
     def __init__(self, dim, eps=1e-6, *, offset=0.0, casting="llama", device=None, dtype=None):
         super().__init__()
-        _validate.check_eps(eps)
-        _validate.check_offset(offset)
-        _validate.check_casting(casting)
+        validate.check_eps(eps)
+        validate.check_offset(offset)
+        validate.check_casting(casting)
         self.eps, self.offset, self.casting = eps, offset, casting
         self.backend = "auto"
         init = torch.zeros if offset == 1 else torch.ones
@@ -45,7 +45,7 @@ class LayerNorm(nn.Module):
 
     def __init__(self, dim, eps=1e-5, *, bias=True, device=None, dtype=None):
         super().__init__()
-        _validate.check_eps(eps)
+        validate.check_eps(eps)
         self.eps = eps
         self.backend = "auto"
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))

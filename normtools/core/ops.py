@@ -9,14 +9,14 @@ Each op is a ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``
 * "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors;
 * "auto": "triton" on CUDA, "torch" on CPU unless TRITON_INTERPRET=1.
 
-Inputs are checked (normtools.core._validate) before anything runs.
+Inputs are checked (normtools.core.validate) before anything runs.
 """
 
 from typing import Optional
 
 import torch
 
-from normtools.core import _validate
+from normtools.core import validate
 from normtools._kernels import layer_norm as _ln
 from normtools._kernels import rms_norm as _rms
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
@@ -158,12 +158,12 @@ _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setu
 
 
 def _check_rms_norm_args(x, weight, eps, offset, casting, backend):
-    _validate.check_input(x)
-    _validate.check_param(weight, x, "weight")
-    _validate.check_eps(eps)
-    _validate.check_offset(offset)
-    _validate.check_casting(casting)
-    _validate.check_backend(backend)
+    validate.check_input(x)
+    validate.check_param(weight, x, "weight")
+    validate.check_eps(eps)
+    validate.check_offset(offset)
+    validate.check_casting(casting)
+    validate.check_backend(backend)
 
 
 def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="auto"):
@@ -187,7 +187,7 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="lla
     normed = rms_norm(summed, weight, eps, offset=offset, casting=casting).
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
-    _validate.check_like(residual, x, "residual")
+    validate.check_like(residual, x, "residual")
     backend = resolve_backend(backend, x.device)
     y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
     return y, summed
@@ -291,10 +291,10 @@ _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_nor
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend="auto"):
     """LayerNorm over the last dimension: y = (x − mean) · rsqrt(var + eps) ⊙ w + b, with float32
     statistics and the result cast to x.dtype (see normtools.core.reference.layer_norm_reference)."""
-    _validate.check_input(x)
-    _validate.check_param(weight, x, "weight")
-    _validate.check_param(bias, x, "bias")
-    _validate.check_eps(eps)
-    _validate.check_backend(backend)
+    validate.check_input(x)
+    validate.check_param(weight, x, "weight")
+    validate.check_param(bias, x, "bias")
+    validate.check_eps(eps)
+    validate.check_backend(backend)
     backend = resolve_backend(backend, x.device)
     return _layer_norm_fwd(x, weight, bias, float(eps), backend)[0]

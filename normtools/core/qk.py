@@ -28,7 +28,7 @@ import torch
 import triton
 from torch import nn
 
-from normtools.core import _validate
+from normtools.core import validate
 from normtools._kernels import qk_norm as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
@@ -92,16 +92,16 @@ def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, cast
     ``headed`` is True for the (..., H, head_dim) layout. Raises TypeError / ValueError naming
     the bad argument, before anything is launched.
     """
-    _validate.check_input(q, "q")
-    _validate.check_input(k, "k")
+    validate.check_input(q, "q")
+    validate.check_input(k, "k")
     if k.dtype != q.dtype:
         raise TypeError(f"k has dtype {k.dtype}, expected q's dtype {q.dtype}")
     if k.device != q.device:
         raise ValueError(f"k is on {k.device} but q is on {q.device}")
-    _validate.check_eps(eps)
-    _validate.check_offset(offset)
-    _validate.check_casting(casting)
-    _validate.check_backend(backend)
+    validate.check_eps(eps)
+    validate.check_offset(offset)
+    validate.check_casting(casting)
+    validate.check_backend(backend)
     if scope not in SCOPES:
         raise ValueError(f"unknown scope {scope!r}; expected one of {', '.join(SCOPES)}")
     if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim <= 0:

@@ -40,7 +40,7 @@ model computes.
 
 from __future__ import annotations
 
-from normtools.core._validate import check_choice
+from normtools.core.validate import check_choice
 
 PLACEMENT_NAMES = ("post", "pre", "sandwich", "post_sublayer", "parallel", "none")
 #: The placements of chapter 7 ("Related"); ``mix_ln`` mixes two of the above across layers.

@@ -70,7 +70,7 @@ from normtools.core.modules import LayerNorm, RMSNorm
 from normtools.core.ops import rms_norm
 from normtools.core.qk import QKNorm
 from normtools.core.reference import rope_reference, rope_tables
-from normtools.core import _validate
+from normtools.core import validate
 from normtools.lab.blocks import (PLACEMENT_NAMES, RELATED_PLACEMENTS, block_equation, block_program,
                                   norm_names)
 
@@ -109,9 +109,9 @@ class TinyLMConfig:
     ngpt_alpha: float = 0.05          # ngpt: initial eigen learning rates α_A, α_M
 
     def __post_init__(self):
-        _validate.check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
-        _validate.check_choice("norm", self.norm, _NORM_NAMES)
-        _validate.check_choice("qk_norm", self.qk_norm, _QK_NORM_SCOPES)
+        validate.check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
+        validate.check_choice("norm", self.norm, _NORM_NAMES)
+        validate.check_choice("qk_norm", self.qk_norm, _QK_NORM_SCOPES)
         if self.width % self.heads:
             raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
         if self.head_dim % 2:
@@ -130,8 +130,8 @@ class TinyLMConfig:
             raise ValueError(f"ngpt normalizes q and k itself; qk_norm must stay 'none', got {self.qk_norm!r}")
         if self.init_std <= 0 or (self.embed_std is not None and self.embed_std <= 0):
             raise ValueError(f"init_std and embed_std must be positive, got {self.init_std}, {self.embed_std}")
-        _validate.check_eps(self.eps)
-        _validate.check_backend(self.backend)
+        validate.check_eps(self.eps)
+        validate.check_backend(self.backend)
         if self.attn_softcap is not None and not self.attn_softcap > 0:
             raise ValueError(f"attn_softcap must be positive or None, got {self.attn_softcap}")
 
@@ -485,7 +485,7 @@ class TinyLM(nn.Module):
 def set_backend(model: nn.Module, backend: str) -> nn.Module:
     """Switch every normtools norm of ``model`` (RMSNorm, LayerNorm, QKNorm, SphereNorm) to
     ``backend``."""
-    _validate.check_backend(backend)
+    validate.check_backend(backend)
     norm_types = (RMSNorm, LayerNorm, QKNorm, SphereNorm)
     for module in model.modules():
         if isinstance(module, norm_types):
