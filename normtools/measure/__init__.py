@@ -14,6 +14,9 @@
   CUDA launch plan, against the minimum; ``l2_model`` replays those accesses through an L2.
 * ``spills``: registers and spills of the kernels, compiled for each CUDA architecture.
 * ``isolated``: one function run in a fresh Python process.
+* ``distributed``: processes for tensor-parallel runs (``spawn``, ``run_all``) and the bytes each
+  collective moves (``CommBytes``); ``tp_blocks`` (a Llama- and an OLMo 2-style block under
+  tensor-parallel plans) and ``tp_qk_norm`` (chapter 3's per-layer QK-Norm on raw shards) use it.
 
 The run conditions every measurement records come from ``normtools.core.sysinfo``. Built on the
 library (``normtools.core``) and the model cards (``normtools.cards``).

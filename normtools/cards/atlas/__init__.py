@@ -38,8 +38,9 @@ is the committed ``normtools/cards/data/atlas.json`` (:func:`build_atlas`, ``nor
 Modules, in the order a probe runs: ``run`` (build the tiny model, run it with hooks:
 :func:`probe_family`), ``probed`` (what the hooks saw, :class:`ProbedModel`), ``layers`` (each
 layer's norms by role, and its placement), ``qk`` (QK-Norm), ``norm`` (one norm module:
-:func:`probe_norm`), ``card`` (the card, one function per field) and ``table`` (the whole atlas:
-build, load, save, rows, comparisons).
+:func:`probe_norm`), ``pattern`` (the per-layer pattern of a layer-varying family), ``card`` (the card, one
+function per field), ``table`` (the whole atlas: build, load, save, rows, comparisons) and
+``html`` (the atlas page's filterable table).
 """
 
 from normtools.cards.atlas.norm import probe_norm

@@ -51,7 +51,8 @@ Modules, in the order of a run: ``shapes`` (ops, backends, shapes, inputs), ``mi
 ``backends`` (one callable per op and backend), ``timing`` (rotated inputs, timers,
 percentiles, copy bandwidth), ``sweep`` (the cases of a run), ``peers`` (concurrency: K
 processes timing each case at once, ``--processes K``), ``results`` (JSON in and out),
-``report`` (targets and the Markdown summary), ``cli``. The model-level benchmark is
+``report`` (targets and the Markdown summary), ``cpu_table`` (normtools' CPU path against the
+module it reproduces), ``cli``. The model-level benchmark is
 ``normtools.measure.model_bench``.
 """
 
