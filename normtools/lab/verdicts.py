@@ -11,8 +11,10 @@ seed**: d_s = m(arm, s) − m(baseline, s) for each seed s present in both, and
 * the p-value is the exact two-sided sign test (:func:`sign_test_p`), the p-value of the
   criterion "lower (or higher) in k of n seeds": "lower in every one of 3 seeds" is p = 1/4
   two-sided (1/8 one-sided);
-* a verdict ("lower", "higher") needs the interval to exclude zero; otherwise it is
-  "not shown", printed with the minimum detectable effect (:func:`minimum_detectable_effect`).
+* a verdict ("lower", "higher") needs the interval to exclude zero **and** the sign test's
+  p ≤ 1 − confidence (the percentile bootstrap of 3 pairs of one sign excludes zero, but 3 pairs
+  can never give p < 0.25); otherwise it is "not shown", printed with the minimum detectable
+  effect (:func:`minimum_detectable_effect`).
 
 Quantities that grow by orders of magnitude (peak attention logits) are compared as log10
 ratios (``log=True``): the effect is then the mean of log10(arm/baseline).
@@ -83,16 +85,18 @@ def compare_paired(baseline, arm, *, log: bool = False, thresholds: dict | None 
     value per seed, same seed order): n, effect (mean of arm − baseline, or of
     log10(arm/baseline) with ``log``), ci_low, ci_high (:func:`paired_bootstrap_ci`), p_sign
     (:func:`sign_test_p`), mde (:func:`minimum_detectable_effect`), and ``verdict``: "lower" or
-    "higher" when the interval excludes 0, else "not shown"."""
+    "higher" when the interval excludes 0 and p_sign ≤ 1 − confidence, else "not shown"."""
     t = {**DEFAULT_THRESHOLDS, **(thresholds or {})}
     a, b = np.asarray(baseline, dtype=np.float64), np.asarray(arm, dtype=np.float64)
     if a.shape != b.shape:
         raise ValueError(f"baseline and arm must pair up, got {a.shape} and {b.shape}")
     d = np.log10(b / a) if log else b - a
     low, high = paired_bootstrap_ci(d, t["confidence"], t["bootstrap_resamples"], t["bootstrap_seed"])
-    verdict = "lower" if high < 0 else "higher" if low > 0 else "not shown"
+    p_sign = sign_test_p(d)
+    significant = p_sign <= 1 - t["confidence"]
+    verdict = ("lower" if high < 0 else "higher" if low > 0 else "not shown") if significant else "not shown"
     return {"n": int(d.size), "effect": float(d.mean()), "ci_low": low, "ci_high": high,
-            "p_sign": sign_test_p(d), "mde": minimum_detectable_effect(d, t["confidence"], t["power"]),
+            "p_sign": p_sign, "mde": minimum_detectable_effect(d, t["confidence"], t["power"]),
             "verdict": verdict}
 
 

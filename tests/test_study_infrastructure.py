@@ -1,0 +1,152 @@
+"""Issue 28's study infrastructure: float32 evaluation of the whole split, independent weight
+decay and decayed QK gains (against a float64 hand computation of AdamW's decay), unit-RMS
+embeddings, resumable studies with their provenance, and the same-seed reproducibility check."""
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from normtools.lab import studies
+from normtools.lab.data import load_corpus
+from normtools.lab.tinylm import TinyLM, TinyLMConfig
+from normtools.lab.train import _make_optimizer, evaluate
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def data():
+    return load_corpus()
+
+
+def tiny(**overrides):
+    torch.manual_seed(0)
+    return TinyLM(TinyLMConfig.tiny(**overrides))
+
+
+def test_whole_split_loss_of_a_uniform_model_is_log_vocab_and_ignores_autocast(data):
+    model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight.zero_()  # every output logit 0: p = 1/256 for every byte
+    assert evaluate(model, data, "val", "all") == pytest.approx(math.log(256), rel=1e-6)  # float32 cross-entropy
+    random_model = tiny()
+    outside = evaluate(random_model, data, "val", "all")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = evaluate(random_model, data, "val", "all")
+    assert inside == outside
+
+
+def test_whole_split_loss_weights_every_window_once(data):
+    """Against a loop over the consecutive windows of a shortened split, one window at a time,
+    the log-softmax in float64."""
+    model = tiny()
+    short = type(data)(train=data.train, val=data.val[:16 * 40 + 5])
+    T = model.config.max_seq_len
+    nll = []
+    for start in range(0, (short.val.numel() - 1) // T * T, T):
+        x, y = short.val[start:start + T], short.val[start + 1:start + T + 1]
+        with torch.no_grad():
+            log_p = torch.log_softmax(model(x[None])[0][0].double(), -1)
+        nll.append(-log_p[torch.arange(T), y])
+    assert evaluate(model, short, "val", "all") == pytest.approx(torch.cat(nll).mean().item(), rel=1e-5)
+    with pytest.raises(ValueError, match="batches"):
+        evaluate(model, short, "val", 0)
+
+
+@pytest.mark.parametrize("independent", [False, True])
+def test_weight_decay_is_coupled_or_independent_of_the_peak_lr(independent):
+    """With zero gradients AdamW's update is the decay alone: p ← p·(1 − η_t·λ'), λ' = λ
+    (coupled) or λ/η (independent)."""
+    model = tiny(qk_norm="per_head")
+    lr, step_lr, wd = 0.5, 0.2, 0.01
+    optimizer = _make_optimizer(model, lr, wd, independent_weight_decay=independent,
+                                qk_gain_weight_decay=True)
+    before = {n: p.detach().double().clone() for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        group["lr"] = step_lr
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    factor = 1 - step_lr * (wd / lr if independent else wd)
+    for name, p in model.named_parameters():
+        decayed = p.dim() >= 2 or ".qk_norm." in name
+        expected = before[name] * (factor if decayed else 1.0)
+        torch.testing.assert_close(p.detach().double(), expected, rtol=1e-6, atol=0)
+
+
+def test_qk_gains_are_exempt_from_weight_decay_by_default():
+    model = tiny(qk_norm="per_head")
+    optimizer = _make_optimizer(model, 0.1, 0.1)
+    gains = {id(p) for n, p in model.named_parameters() if ".qk_norm." in n}
+    assert gains
+    for group in optimizer.param_groups:
+        if group["weight_decay"] > 0:
+            assert not gains & {id(p) for p in group["params"]}
+
+
+def test_embed_std_gives_unit_rms_embeddings_and_leaves_the_rest():
+    model = TinyLM(TinyLMConfig(width=64, depth=2, heads=4, max_seq_len=16, embed_std=1.0,
+                                init_std=64 ** -0.5))
+    assert model.embed.weight.pow(2).mean().sqrt().item() == pytest.approx(1.0, rel=0.02)
+    assert model.layers[0].self_attn.q_proj.weight.std().item() == pytest.approx(0.125, rel=0.05)
+    with pytest.raises(ValueError, match="embed_std"):
+        TinyLMConfig(embed_std=0.0)
+
+
+def _mini_study():
+    return studies.Study("mini", "a test study", {"a": {"placement": "pre"},
+                                                  "b": {"placement": "pre", "qk_norm": "per_head"}},
+                         lrs=(1e-2,), seeds=(0, 1), steps=3, thresholds={"logit_ratio": 10.0})
+
+
+def test_a_study_resumes_where_it_stopped(tmp_path, monkeypatch):
+    monkeypatch.setitem(studies.STUDIES, "mini", _mini_study())
+    trained = []
+    real = studies._run_record
+
+    def counting(study, cell, *args, **kwargs):
+        trained.append((cell["variant"], cell["seed"]))
+        return real(study, cell, *args, **kwargs)
+    monkeypatch.setattr(studies, "_run_record", counting)
+    out = tmp_path / "mini.json"
+    first = studies.run_study("mini", "test", out=out, max_runs=3)
+    on_disk = json.loads(out.read_text())
+    assert len(on_disk["runs"]) == 3 and on_disk["complete"] is False and not first["complete"]
+    assert trained == [("a", 0), ("b", 0), ("a", 1)]  # seed by seed: partial studies pair up
+    second = studies.run_study("mini", "test", out=out)
+    assert trained[3:] == [("b", 1)]  # only the missing run
+    on_disk = json.loads(out.read_text())
+    assert on_disk["complete"] is True and second["complete"] is True
+    assert json.dumps(on_disk["runs"][:3]) == json.dumps(first["runs"])  # kept, not retrained
+    assert on_disk["thresholds"]["logit_ratio"] == 10.0
+    assert on_disk["thresholds"]["confidence"] == 0.95
+    assert on_disk["conditions"]["model"]["backend"] == "torch"
+    assert on_disk["conditions"]["evaluation"].startswith("whole validation split, float32")
+    head = (REPO / ".git" / "HEAD").read_text().strip()
+    ref = REPO / ".git" / head[5:] if head.startswith("ref: ") else None
+    if ref is not None and ref.exists():
+        assert on_disk["provenance"]["commit"] == ref.read_text().strip()
+    assert all(run["commit"] == on_disk["provenance"]["commit"] for run in on_disk["runs"])
+    assert isinstance(on_disk["provenance"]["dirty"], bool)
+    # a file from another configuration is refused, not mixed in
+    monkeypatch.setitem(studies.STUDIES, "mini", studies.Study(**{**_mini_study().__dict__, "steps": 4}))
+    with pytest.raises(ValueError, match="steps"):
+        studies.run_study("mini", "test", out=out)
+
+
+def test_reproducibility_check_is_the_same_seed_at_float_tolerance(tmp_path, monkeypatch):
+    monkeypatch.setitem(studies.STUDIES, "mini", studies.Study(
+        **{**_mini_study().__dict__, "check": {"variant": "b", "lr": 1e-2, "seed": 1}}))
+    document = studies.run_study("mini", "test")
+    chosen, record = studies.rerun(document)
+    check = studies.compare_rerun(document, chosen, record)
+    assert check["reproduced"].all(), check.to_string()
+    for run in document["runs"]:
+        if (run["variant"], run["seed"]) == ("b", 1):
+            run["final_loss"] *= 1 + 5 * studies.REPRODUCTION_RTOL["final_loss"]
+    assert not studies.compare_rerun(document, chosen, record, metrics=("final_loss",))["reproduced"].any()
