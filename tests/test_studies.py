@@ -1,8 +1,10 @@
 """Committed studies (normtools.lab.studies): each committed JSON holds every run its study
-defines, under the corpus the lab uses now, and one seed of one configuration of each, trained
-again here, falls within the range its committed seeds span."""
+defines, under the corpus the lab uses now, with its thresholds and provenance, and one
+committed seed of one configuration of each, trained again here on the study's numeric path
+(torch backend), reproduces its losses up to float tolerance. A file committed before issue 28's
+definitions (3 seeds, 4-batch evaluation, no provenance) is reported as an expected failure
+naming the command that replaces it."""
 
-import copy
 import json
 from pathlib import Path
 
@@ -18,7 +20,14 @@ STUDY_DIR = Path(__file__).resolve().parents[1] / "book" / "data" / "studies"
 
 
 def committed(name):
-    return json.loads((STUDY_DIR / f"{name}.json").read_text())
+    path = STUDY_DIR / f"{name}.json"
+    if not path.exists():
+        pytest.xfail(f"{name}: not committed yet (run `normtools lab run {name}`, resumable)")
+    document = json.loads(path.read_text())
+    if "provenance" not in document:
+        pytest.xfail(f"{name}.json predates issue 28 (no provenance, 4-batch evaluation): "
+                     f"rerun `normtools lab run {name}`")
+    return document
 
 
 @pytest.mark.parametrize("name", sorted(studies.STUDIES))
@@ -26,50 +35,34 @@ def test_committed_study_is_complete(name):
     document = committed(name)
     study = studies.STUDIES[name]
     conditions = document["conditions"]
-    assert document["study"] == name and document["size"] == "cpu"
+    assert document["study"] == name and document["size"] == "cpu" and document["complete"]
+    assert document["thresholds"] == study.all_thresholds()
+    assert len(document["provenance"]["commit"]) == 40
     assert conditions["corpus_sha256"] == CORPUS_SHA256
-    assert conditions["command"] == f"normtools lab run {name} --size cpu"
+    assert conditions["model"]["backend"] == studies.STUDY_BACKEND
     expected = {(c["variant"], c["lr"], c["seed"]) for c in study.cells("cpu")}
     got = {(r["variant"], r["lr"], r["seed"]) for r in document["runs"]}
     assert got == expected and len(document["runs"]) == len(expected)
-    assert len(conditions["seeds"]) >= 3
+    assert len(conditions["seeds"]) >= 10
     for run in document["runs"]:
         assert len(run["curves"]["loss"]) == conditions["steps"] or run["diverged"]
 
 
-@pytest.fixture(scope="module")
-def reruns():
-    """One re-run per study, trained once for the tests that compare it."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = studies.rerun(committed(name))
-        return cache[name]
-    return get
-
-
 @pytest.mark.parametrize("name", sorted(studies.STUDIES))
-def test_committed_study_rerun_falls_within_its_range(name, reruns):
-    check = studies.compare_rerun(committed(name), *reruns(name))
-    assert check["within"].all(), check.to_string()
+def test_committed_study_rerun_reproduces_its_losses(name):
+    document = committed(name)
+    check = studies.compare_rerun(document, *studies.rerun(document))
+    assert check["reproduced"].all(), check.to_string()
 
 
-def test_compare_rerun_fails_outside_the_range(reruns):
-    tampered = copy.deepcopy(committed("lr_sweep"))
-    chosen, record = reruns("lr_sweep")
-    for run in tampered["runs"]:
-        if run["variant"] == chosen["variant"] and run["lr"] == chosen["lr"]:
-            run["final_loss"] *= 1.5
-    check = studies.compare_rerun(tampered, chosen, record, metrics=("final_loss",))
-    assert not check["within"].any()
-
-
-def test_cli_writes_a_study(tmp_path):
-    out = tmp_path / "sweep.json"
-    assert cli.main(["lab", "run", "lr_sweep", "--size", "test", "--seeds", "1", "--out", str(out)]) == 0
+def test_cli_writes_and_resumes_a_study(tmp_path):
+    out = tmp_path / "precision.json"
+    argv = ["lab", "run", "precision", "--size", "test", "--seeds", "1", "--out", str(out)]
+    assert cli.main(argv + ["--max-runs", "2"]) == 0
+    assert json.loads(out.read_text())["complete"] is False
+    assert cli.main(argv) == 0
     document = json.loads(out.read_text())
     assert document["size"] == "test" and document["conditions"]["seeds"] == [0]
-    assert len(document["runs"]) == len(studies.STUDIES["lr_sweep"].cells("test")) // 3
+    assert document["complete"] and len(document["runs"]) == len(studies.STUDIES["precision"].variants)
     _, table = studies.load_study(out)
-    assert set(table["variant"]) == set(studies.STUDIES["lr_sweep"].variants)
+    assert set(table["variant"]) == set(studies.STUDIES["precision"].variants)

@@ -150,3 +150,20 @@ def test_reproducibility_check_is_the_same_seed_at_float_tolerance(tmp_path, mon
         if (run["variant"], run["seed"]) == ("b", 1):
             run["final_loss"] *= 1 + 5 * studies.REPRODUCTION_RTOL["final_loss"]
     assert not studies.compare_rerun(document, chosen, record, metrics=("final_loss",))["reproduced"].any()
+
+
+def test_relu_mlp_is_the_original_ffn_with_4d_hidden_and_xavier_init():
+    torch.manual_seed(0)
+    config = TinyLMConfig(width=64, depth=1, heads=4, max_seq_len=8, mlp="relu", init_scheme="xavier")
+    model = TinyLM(config)
+    mlp = model.layers[0].mlp
+    assert mlp.up_proj.weight.shape == (256, 64) and mlp.down_proj.weight.shape == (64, 256)
+    x = torch.randn(3, 64)
+    expected = mlp.down_proj.weight.double() @ torch.clamp(mlp.up_proj.weight.double() @ x.double().T, min=0)
+    torch.testing.assert_close(mlp(x).double(), expected.T, rtol=1e-5, atol=1e-6)
+    # Glorot normal: std √(2 / (fan_in + fan_out)) for every linear layer
+    for weight in (mlp.up_proj.weight, model.layers[0].self_attn.q_proj.weight, model.lm_head.weight):
+        fan_out, fan_in = weight.shape
+        assert weight.std().item() == pytest.approx(math.sqrt(2 / (fan_in + fan_out)), rel=0.1)
+    with pytest.raises(ValueError, match="mlp"):
+        TinyLMConfig(mlp="gelu")

@@ -47,9 +47,11 @@ over the whole projection (``per_layer``, OLMo 2); it is always an RMSNorm, as i
 Optional soft-capping (``attn_softcap`` = c, Gemma 2): the softmax sees c · tanh(s / c), so
 every logit it sees lies in (−c, c); ``attn.logits`` keeps s itself, before the cap.
 
-MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``, hidden width ≈ 8/3 · width (Llama).
+MLP: SwiGLU, ``down(silu(gate(x)) * up(x))``, hidden width ≈ 8/3 · width (Llama); with
+``mlp="relu"`` the original FFN ``down(relu(up(x)))``, hidden width 4 · width.
 
-Init (GPT-2 / nanoGPT): every linear and embedding weight ~ N(0, init_std²), init_std = 0.02
+Init (GPT-2 / nanoGPT; ``init_scheme="xavier"``: every linear layer Glorot-normal instead,
+std √(2 / (fan_in + fan_out))): every linear and embedding weight ~ N(0, init_std²), init_std = 0.02
 by default (``embed_std``, when set, replaces it for the embedding: 1.0 gives embeddings of unit
 RMS, the initialization OLMo 2 §3.4.2 and Xiong et al. assume); with ``scaled_residual_init`` (off by default) the two projections that write into
 the residual stream (``o_proj``, ``down_proj``) use std init_std / √(2·depth) instead. Norm
@@ -91,7 +93,9 @@ class TinyLMConfig:
     depth: int = 4
     heads: int = 4
     kv_heads: int | None = None       # None: as many as heads (multi-head attention)
-    mlp_hidden: int | None = None     # None: 8/3 · width rounded up to a multiple of 8
+    mlp_hidden: int | None = None     # None: 8/3 · width rounded up to a multiple of 8 (relu: 4 · width)
+    mlp: str = "swiglu"               # "swiglu" (Llama) or "relu" (the original Transformer's FFN)
+    init_scheme: str = "normal"       # "normal": N(0, init_std²); "xavier": Glorot normal
     max_seq_len: int = 128
     placement: str = "pre"
     norm: str = "rms"                 # "rms" (RMSNorm), "layer" (LayerNorm with bias), "dyt"
@@ -112,6 +116,10 @@ class TinyLMConfig:
         validate.check_choice("placement", self.placement, PLACEMENT_NAMES + RELATED_PLACEMENTS)
         validate.check_choice("norm", self.norm, _NORM_NAMES)
         validate.check_choice("qk_norm", self.qk_norm, _QK_NORM_SCOPES)
+        validate.check_choice("mlp", self.mlp, ("swiglu", "relu"))
+        validate.check_choice("init_scheme", self.init_scheme, ("normal", "xavier"))
+        if self.mlp == "relu" and self.placement == "ngpt":
+            raise ValueError("ngpt's MLP is its scaled SwiGLU; mlp must stay 'swiglu'")
         if self.width % self.heads:
             raise ValueError(f"width ({self.width}) must be divisible by heads ({self.heads})")
         if self.head_dim % 2:
@@ -154,7 +162,9 @@ class TinyLMConfig:
 
     @property
     def hidden(self) -> int:
-        return self.mlp_hidden or 8 * ((8 * self.width // 3 + 7) // 8)
+        if self.mlp_hidden:
+            return self.mlp_hidden
+        return 4 * self.width if self.mlp == "relu" else 8 * ((8 * self.width // 3 + 7) // 8)
 
     @property
     def has_final_norm(self) -> bool:
@@ -324,6 +334,19 @@ class SwiGLU(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
+class ReLUMLP(nn.Module):
+    """down(relu(up(x))): the original Transformer's FFN (Vaswani et al. 2017; Xiong et al.
+    2020 analyse this one), hidden width 4 · width by default."""
+
+    def __init__(self, config: TinyLMConfig):
+        super().__init__()
+        self.up_proj = nn.Linear(config.width, config.hidden, bias=False)
+        self.down_proj = nn.Linear(config.hidden, config.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.relu(self.up_proj(x)))
+
+
 class Block(nn.Module):
     """One decoder layer: ``self_attn``, ``mlp`` and the norms its placement names. It is the
     ``ops`` of its placement's block function (:data:`normtools.lab.blocks.BLOCKS`) on tensors.
@@ -338,7 +361,7 @@ class Block(nn.Module):
         super().__init__()
         self.placement = config.layer_placement(layer)
         self.self_attn = CausalSelfAttention(config)
-        self.mlp = SwiGLU(config)
+        self.mlp = ReLUMLP(config) if config.mlp == "relu" else SwiGLU(config)
         self.norms = nn.ModuleDict({name: _make_norm(config) for name in norm_names(self.placement)})
         self.scales = {"alpha": deepnorm_constants(config.depth)[0], "depth": 1 / math.sqrt(layer + 1)}
         self.rates = nn.ModuleDict()
@@ -414,6 +437,9 @@ class TinyLM(nn.Module):
                 gain = beta if name.endswith(("v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")) else 1.0
                 if name == "embed" and self.config.embed_std is not None:
                     nn.init.normal_(module.weight, mean=0.0, std=self.config.embed_std)
+                    continue
+                if self.config.init_scheme == "xavier" and isinstance(module, nn.Linear):
+                    nn.init.xavier_normal_(module.weight, gain=gain)  # std √(2 / (fan_in + fan_out))
                     continue
                 nn.init.normal_(module.weight, mean=0.0, std=gain * (residual_std if is_residual else std))
         self.normalize_weights()
