@@ -1,5 +1,5 @@
 """Every use of Triton's private API in normtools: running a ``@triton.jit`` kernel on CPU
-tensors with Triton's interpreter, and the interpreter's float32 → bfloat16 rounding fix.
+tensors with Triton's interpreter, and the interpreter's bfloat16 conversion fixes.
 
 Written against Triton 3.9.0. It relies on internals that may change between releases:
 ``triton.runtime.interpreter.InterpretedFunction`` (an interpreted twin of a kernel),
@@ -35,11 +35,21 @@ def _fp32_to_bf16_bits(data):
     return flat.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16).reshape(data.shape)
 
 
-def _convert_float_rne(data, input_dtype, output_dtype, rounding_mode):
-    """Triton 3.9's interpreter truncates float32 → bfloat16 (the GPU rounds to nearest even);
-    this replacement of its ``_convert_float`` rounds that conversion as the GPU does."""
+def _bf16_bits_to_fp32_bits(data):
+    """bfloat16 bit patterns → the float32 bit patterns of the same values (uint32): exact, the
+    bfloat16 bits are the upper half of the float32's, subnormals included."""
+    bits = np.frombuffer(np.ascontiguousarray(data).tobytes(), dtype=np.uint16)
+    return (bits.astype(np.uint32) << 16).reshape(np.shape(data))
+
+
+def _convert_float_exact(data, input_dtype, output_dtype, rounding_mode):
+    """Triton 3.9's interpreter truncates float32 → bfloat16 (the GPU rounds to nearest even)
+    and mis-converts bfloat16 subnormals (|x| < 2^-126) on bfloat16 → float32 (up to 4.4x
+    off); this replacement of its ``_convert_float`` does both conversions as the GPU does."""
     if input_dtype == tl.float32 and output_dtype == tl.bfloat16:
         return _fp32_to_bf16_bits(data)
+    if input_dtype == tl.bfloat16 and output_dtype == tl.float32:
+        return _bf16_bits_to_fp32_bits(data)
     return _TRITON_CONVERT_FLOAT(data, input_dtype, output_dtype, rounding_mode)
 
 
@@ -55,8 +65,8 @@ class InterpretedKernel:
     functions written in Triton (tl.sum, tl.zeros, ...). For the duration of a launch this
     swaps each of them, in the namespaces of the kernel's module (helpers imported from
     kernels/tiles.py included, since they are bound there) and of triton.language, for an
-    interpreted twin, switches the interpreter knob on and makes float32 → bfloat16 casts
-    round to nearest even; everything is restored afterwards. Launches are serialized by a
+    interpreted twin, switches the interpreter knob on, makes float32 → bfloat16 casts
+    round to nearest even and bfloat16 → float32 casts exact; everything is restored afterwards. Launches are serialized by a
     lock. Before each launch the observer of ``launch_hooks.INTERPRETED_LAUNCH_OBSERVER``, if
     any, is called with (kernel name, grid).
     """
@@ -86,7 +96,7 @@ class InterpretedKernel:
         previous_knob = triton.knobs.runtime.interpret
         try:
             triton.knobs.runtime.interpret = True
-            triton_interpreter._convert_float = _convert_float_rne
+            triton_interpreter._convert_float = _convert_float_exact
             for (ns, name, _), twin in zip(swapped, twins):
                 ns[name] = twin
             yield

@@ -5,6 +5,22 @@ each row's numbers sit next to the reason they were chosen. ``launch_plan`` turn
 kernel, a dtype and an (M, N) matrix into a ``LaunchPlan``; it is pure (it reads no device), so
 the real launch (``normtools.core.launcher.plan_for``) and the ahead-of-time tools
 (``normtools.measure.spills``, ``normtools.measure.bytes_counter``) see the same plans.
+
+Clusters (``num_ctas`` > 1, sm_90) need a Triton whose cluster path was checked:
+``CLUSTER_MIN_TRITON`` = 3.9, the release these plans were checked on (Triton 3.8 ends a
+cluster kernel without the cluster barrier, so a CTA may exit while another still reads its
+shared memory; earlier releases cannot split the reduced axis across CTAs). On an older
+Triton the long rows take the chunked row of the table instead. The launcher also checks, at
+the first compile of a cluster kernel on CUDA, that its PTX carries the cluster instructions
+(``launcher.check_cluster_ptx``). The chunked kernels order their global read-after-write
+with a CTA-scope barrier (``tl.debug_barrier``), correct only within one CTA: a chunked plan
+never spans a cluster (``launch_plan`` raises if a table row asks for one).
+
+Launch options pinned at every launch (``LAUNCH_OPTIONS``, passed by
+``launcher.kernel_for``): ``enable_fp_fusion=True``, Triton 3.9's default, written out because
+the default changes in a later Triton. With it a multiply followed by an add may be contracted
+into one FMA (today the float32 RoPE rotation is); pinning it keeps the results of every
+kernel as they were checked. Triton's interpreter ignores the option.
 """
 
 import dataclasses
@@ -29,6 +45,12 @@ PROGRAMS_PER_SM = 1
 # SMs and compute capability (sm_90).
 DEFAULT_SM_COUNT = 132
 DEFAULT_CAPABILITY = 90
+# Cluster plans only on a Triton at least this new (see the module docstring); the installed
+# release, read by cuda_row_config at every call (tests replace it).
+CLUSTER_MIN_TRITON = (3, 9)
+TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
+# Options of every launch (see the module docstring).
+LAUNCH_OPTIONS = {"enable_fp_fusion": True}
 
 KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
            "qk_norm_fwd", "qk_norm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
@@ -210,13 +232,16 @@ class LaunchPlan:
 
 def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
     """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd"), a row of n elements
-    and a GPU of compute capability ``capability`` (e.g. 90 for sm_90)."""
+    and a GPU of compute capability ``capability`` (e.g. 90 for sm_90); cluster rows only
+    when the installed Triton is at least CLUSTER_MIN_TRITON."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {', '.join(KERNELS)}")
     direction = ("rope_" if kernel.startswith("qk_norm_rope") else "") + kernel.rsplit("_", 1)[1]
     table = CUDA_ROW_CONFIGS[direction, 4 if element_size >= 4 else 2]
+    clusters = TRITON_VERSION >= CLUSTER_MIN_TRITON
     return next(config for config in table
-                if n <= config.n_max and capability >= config.min_capability)
+                if n <= config.n_max and capability >= config.min_capability
+                and (clusters or config.num_ctas == 1))
 
 
 def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1,
@@ -247,6 +272,9 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         block_n = min(whole_row, MAX_CHUNK_BYTES // element_size)
         tile, num_warps, limit, num_ctas = TILE_ELEMENTS["cpu"], 4, CPU_PROGRAMS, 1
         reason = "CPU interpreter: large tiles (about 1 ms per program)"
+    if n > block_n and num_ctas > 1:
+        raise ValueError(f"{kernel}: a chunked plan (N = {n} in chunks of {block_n}) on a "
+                         f"cluster of {num_ctas} CTAs; the chunked kernels' barrier is CTA-scope")
     block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
     blocks = triton.cdiv(m, block_m)
     groups = max(1, min(blocks, triton.cdiv(limit, slots)))

@@ -12,7 +12,9 @@ A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it 
 * ``kernel_for``: the callable kernel for a device: the compiled ``@triton.jit`` kernel inside
   a device guard for CUDA tensors; the same kernel run by Triton's interpreter for CPU tensors
   (``normtools.core._triton_interpreter``), also in a process in which ``TRITON_INTERPRET`` was
-  never set; a recorder inside ``launch_hooks.recording_launches``.
+  never set; a recorder inside ``launch_hooks.recording_launches``. Every launch gets
+  ``launch_plans.LAUNCH_OPTIONS`` (``enable_fp_fusion=True``), and the first compile of a
+  cluster kernel (``num_ctas`` > 1) on CUDA is checked by ``check_cluster_ptx``.
 * ``as_rows``: a (M, N) view of a tensor with unit stride along N (a copy only if needed).
 * ``sum_partials``: the last launch of every backward, the weight gradient from the
   per-program partial rows (``kernels/partials.py``).
@@ -25,9 +27,14 @@ import torch
 import triton
 
 from normtools._kernels import partials as _partials
-from normtools.core import launch_hooks
+from normtools.core import launch_hooks, launch_plans
 from normtools.core._triton_interpreter import InterpretedKernel, is_interpreted
-from normtools.core.launch_plans import launch_plan
+from normtools.core.launch_plans import LAUNCH_OPTIONS, launch_plan
+
+# PTX instructions that a kernel split over a thread-block cluster must contain: the
+# cluster-wide barrier and the mapping of a shared-memory address to another CTA's (the
+# reduction across CTAs through distributed shared memory).
+CLUSTER_PTX_MARKERS = ("barrier.cluster", "mapa")
 
 
 def _interpreter_requested():
@@ -78,13 +85,38 @@ def kernel_for(kernel, device):
     kernel for CUDA tensors; for CPU tensors the kernel run by Triton's interpreter (also when
     TRITON_INTERPRET=1 made it an interpreted function at import). Use as
     ``kernel_for(k, x.device)[grid](...)``. A CUDA launch runs inside a device guard for
-    ``device``. Inside ``launch_hooks.recording_launches`` the launch is recorded, not run."""
+    ``device``. Inside ``launch_hooks.recording_launches`` the launch is recorded, not run.
+    Every launch gets the options ``launch_plans.LAUNCH_OPTIONS``."""
     recorder = launch_hooks.recording_kernel(kernel)
     if recorder is not None:
-        return recorder
+        return _WithLaunchOptions(recorder)
     if torch.device(device).type == "cuda" and not is_interpreted(kernel):
-        return _DeviceGuardedKernel(kernel, torch.device(device))
-    return InterpretedKernel(kernel)
+        return _WithLaunchOptions(_DeviceGuardedKernel(kernel, torch.device(device)))
+    return _WithLaunchOptions(InterpretedKernel(kernel))
+
+
+class _WithLaunchOptions:
+    """``runner[grid](*args, **kwargs)`` with ``LAUNCH_OPTIONS`` set over the call's own."""
+
+    def __init__(self, runner):
+        self.runner = runner
+
+    def __getitem__(self, grid):
+        launch = self.runner[grid]
+        return lambda *args, **kwargs: launch(*args, **(kwargs | LAUNCH_OPTIONS))
+
+
+def check_cluster_ptx(ptx, kernel_name, num_ctas):
+    """Raise RuntimeError when a kernel compiled for a cluster of ``num_ctas`` > 1 CTAs lacks
+    one of CLUSTER_PTX_MARKERS in its PTX ``ptx``: then the Triton in use did not split the
+    row across the cluster's CTAs as launch_plans assumes."""
+    missing = [marker for marker in CLUSTER_PTX_MARKERS if marker not in ptx]
+    if num_ctas > 1 and missing:
+        raise RuntimeError(
+            f"{kernel_name} compiled for a cluster of {num_ctas} CTAs has no {', '.join(missing)} "
+            f"in its PTX: this Triton ({triton.__version__}) does not reduce across the "
+            f"cluster as normtools.core.launch_plans assumes; use Triton "
+            f"{'.'.join(map(str, launch_plans.CLUSTER_MIN_TRITON))} or plan without clusters")
 
 
 class _DeviceGuardedKernel:
@@ -98,8 +130,18 @@ class _DeviceGuardedKernel:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             with torch.cuda.device(self.device):
-                return self.kernel[grid](*args, **kwargs)
+                compiled = self.kernel[grid](*args, **kwargs)
+            num_ctas = kwargs.get("num_ctas", 1)
+            if num_ctas > 1 and id(compiled) not in _CHECKED_CLUSTER_KERNELS:
+                check_cluster_ptx(compiled.asm["ptx"], self.kernel.fn.__name__, num_ctas)
+                _CHECKED_CLUSTER_KERNELS.add(id(compiled))
+            return compiled
         return launch
+
+
+# ids of the compiled cluster kernels whose PTX check_cluster_ptx has passed (Triton keeps
+# every compiled kernel in its cache for the life of the process, so an id is never reused)
+_CHECKED_CLUSTER_KERNELS = set()
 
 
 def as_rows(t):
