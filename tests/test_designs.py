@@ -78,7 +78,7 @@ def test_admin_is_profiled_before_the_depth_probe_and_the_training():
     assert not np.allclose(runs["admin"]["loss"], runs["post"]["loss"], rtol=1e-4)
 
 
-def test_seed_spread_and_versus():
+def test_seed_spread():
     table = pd.DataFrame({"design": ["A", "A", "A", "B", "B", "C", "C"],
                           "loss": [1.0, 2.0, 4.0, 5.0, 6.0, 3.0, 7.0]})
     spread = designs.seed_spread(table, "loss")
@@ -86,11 +86,6 @@ def test_seed_spread_and_versus():
     assert spread.loc["A", "mean"] == pytest.approx(7 / 3)
     assert spread.loc["A", "median"] == 2.0 and spread.loc["B", "median"] == 5.5
     assert (spread.loc["A", "min"], spread.loc["A", "max"], spread.loc["A", "seeds"]) == (1.0, 4.0, 3)
-    assert designs.versus(table, "loss", "A", "B") == "lower"
-    assert designs.versus(table, "loss", "B", "A") == "higher"
-    assert designs.versus(table, "loss", "A", "C") == "not told apart"
-    with pytest.raises(ValueError, match="no rows"):
-        designs.versus(table, "loss", "A", "D")
 
 
 def test_train_designs_one_row_per_design_lr_and_seed():

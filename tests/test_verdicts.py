@@ -88,3 +88,12 @@ def test_byte_unigram_loss_is_the_cross_entropy_of_smoothed_train_frequencies():
     p = counts / counts.sum()
     expected = -np.mean(np.log(p[[0, 1, 3]]))
     assert byte_unigram_loss(TextData(train=train, val=val, vocab_size=vocab)) == pytest.approx(expected, rel=1e-12)
+
+
+def test_paired_verdict_reads_a_design_table():
+    seeds = list(range(8))
+    table = pd.DataFrame({"design": ["A"] * 8 + ["B"] * 8, "seed": seeds * 2,
+                          "loss": [3.0 + 0.01 * s for s in seeds] + [2.5 + 0.012 * s for s in seeds]})
+    assert verdicts.paired_verdict(table, "loss", "B", "A", unit="nats").startswith("lower: -0.")
+    assert verdicts.paired_verdict(table, "loss", "A", "B").startswith("higher")
+    assert verdicts.paired_verdict(table.iloc[[0, 1, 8, 9]], "loss", "B", "A").startswith("not shown")

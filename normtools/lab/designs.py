@@ -13,8 +13,8 @@ A *design* is a label and the :class:`normtools.lab.tinylm.TinyLMConfig` fields 
   loss, peak attention logit, gradient-norm spike score, diverged: the criteria of chapter 4a;
   for short runs pass chapter 4a's adapted spike window, ``studies.STUDIES["spikes"]``).
 
-:func:`seed_spread` gives each design's mean, min and max of a metric over the seeds, and
-:func:`versus` compares two designs by whether their ranges over the seeds overlap.
+:func:`seed_spread` gives each design's mean, min and max of a metric over the seeds; two
+designs are compared paired by seed with :func:`normtools.lab.verdicts.paired_verdict`.
 
 :func:`transformers_qk_norm` returns the QK-Norm modules of two models whose QK-Norm is not an
 RMSNorm with a learned scale (Llama 4, Chameleon), built by transformers from a tiny config;
@@ -142,20 +142,6 @@ def seed_spread(table, metric: str, by=("design",)) -> "pandas.DataFrame":
     over the seeds, and the number of seeds."""
     grouped = table.groupby(list(by), sort=False)[metric]
     return grouped.agg(["median", "mean", "min", "max", "count"]).rename(columns={"count": "seeds"})
-
-
-def versus(table, metric: str, a: str, b: str) -> str:
-    """"lower" or "higher" when every seed of design ``a`` has ``metric`` below (above) every
-    seed of design ``b``; "not told apart" when their ranges over the seeds overlap."""
-    values = {name: table.loc[table["design"] == name, metric] for name in (a, b)}
-    for name, v in values.items():
-        if v.empty:
-            raise ValueError(f"no rows of design {name!r}")
-    if values[a].max() < values[b].min():
-        return "lower"
-    if values[a].min() > values[b].max():
-        return "higher"
-    return "not told apart"
 
 
 # --------------------------------------------------------------------------------------------

@@ -148,3 +148,13 @@ def outcome_counts(table, unigram_loss: float, stall_margin: float = 0.05,
                 for loss, div in zip(table["final_loss"], table.get("diverged", [False] * len(table)))]
     counts = pd.crosstab([table[c] for c in by], pd.Series(outcomes, index=table.index, name="outcome"))
     return counts.reindex(columns=list(OUTCOMES), fill_value=0)
+
+
+def paired_verdict(table, metric: str, arm: str, baseline: str, column: str = "design",
+                   unit: str = "", fmt: str = "{:+.3g}", log: bool = False,
+                   thresholds: dict | None = None) -> str:
+    """:func:`verdict_text` of :func:`compare_paired` for the rows of ``table`` whose
+    ``column`` is ``arm`` against those whose ``column`` is ``baseline``, paired by seed
+    (:func:`paired_by_seed`); the table holds one configuration (e.g. one learning rate)."""
+    a, b = paired_by_seed(table, metric, {column: baseline}, {column: arm})
+    return verdict_text(compare_paired(a, b, log=log, thresholds=thresholds), unit, fmt)
