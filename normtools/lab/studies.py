@@ -304,6 +304,10 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
         record = _run_record(study, cell, data, settings, device)
         document["runs"].append(record)
         document["conditions"]["wall_seconds"] += round(record["seconds"])
+        seconds = [r["seconds"] for r in document["runs"] if "seconds" in r]
+        document["conditions"]["budget"] = (  # runs × measured seconds per run, on this machine
+            f"{document['conditions']['n_runs']} runs × {np.mean(seconds):.0f} s per run (mean of "
+            f"{len(seconds)}) = {document['conditions']['n_runs'] * np.mean(seconds) / 3600:.1f} h")
         document["complete"] = len(document["runs"]) >= document["conditions"]["n_runs"]
         if out is not None:
             _write_study(document, out, force=True)
