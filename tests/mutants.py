@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import tomllib
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +38,45 @@ MUTANTS = {
         "normtools/cards/patching.py", "    new.weight = weight\n",
         "    new.weight = type(weight)(weight.detach().clone())\n",
         ["tests/test_hardening_patch.py"]),
+    # kernels (tests/test_kernel_hardening.py; the copy's kernels/ is what normtools._kernels
+    # imports there, see link_package_dirs)
+    "QK-Norm launcher swaps the casting conventions": (
+        "normtools/core/qk.py", 'ROUND_XHAT=casting == "llama", num_warps',
+        'ROUND_XHAT=casting == "gemma", num_warps',
+        ["tests/test_kernel_hardening.py", "-k", "qk_norm_casting_in_ulps"]),
+    "QK-Norm + RoPE launcher swaps the casting conventions": (
+        "normtools/core/rope.py", 'ROUND_XHAT=casting == "llama",', 'ROUND_XHAT=casting == "gemma",',
+        ["tests/test_kernel_hardening.py", "-k", "qk_norm_rope_casting_in_ulps"]),
+    "k programs of QK-Norm use q's head count": (
+        "kernels/qk_norm.py", "k_heads, stride_k, stride_ky,", "q_heads, stride_k, stride_ky,",
+        ["tests/test_kernel_hardening.py", "-k", "several_programs_per_head_slot"]),
+    "chunked RMSNorm mean of squares over N - 1": (
+        "kernels/rms_norm.py", "tl.rsqrt(tl.sum(sum_sq, axis=1) / N + eps)",
+        "tl.rsqrt(tl.sum(sum_sq, axis=1) / (N - 1) + eps)",
+        ["tests/test_kernel_hardening.py", "-k", "error_within and rms_norm and chunked"]),
+    "chunked LayerNorm variance over N - 1": (
+        "kernels/layer_norm.py", "tl.rsqrt(m2 / N + eps)", "tl.rsqrt(m2 / (N - 1) + eps)",
+        ["tests/test_kernel_hardening.py", "-k", "error_within and layer_norm and chunked"]),
+    "chunked LayerNorm backward without its mean term": (
+        "kernels/layer_norm.py", "(dy * w[None, :] - c1[:, None] - x_hat * c2[:, None])",
+        "(dy * w[None, :] - x_hat * c2[:, None])",
+        ["tests/test_kernel_hardening.py", "-k", "error_within and layer_norm and chunked"]),
+    "chunked RMSNorm backward without its mean term": (
+        "kernels/rms_norm.py", "(dy * s[None, :] - x_hat * c[:, None])", "(dy * s[None, :])",
+        ["tests/test_kernel_hardening.py", "-k", "error_within and rms_norm and chunked"]),
 }
+
+
+def link_package_dirs(tmp):
+    """Make the copy's own folders the packages that pyproject's package-dir maps elsewhere
+    (normtools._kernels is kernels/): the editable install would import the working tree's,
+    so a mutant of kernels/ would go untested."""
+    package_dirs = tomllib.loads((Path(tmp) / "pyproject.toml").read_text())["tool"][
+        "setuptools"]["package-dir"]
+    for package, folder in package_dirs.items():
+        link = Path(tmp, *package.split("."))
+        if link != Path(tmp, folder) and not link.exists():
+            link.symlink_to(Path(tmp, folder), target_is_directory=True)
 
 
 def run(name, file, original, mutated, tests) -> bool:
@@ -49,6 +88,7 @@ def run(name, file, original, mutated, tests) -> bool:
             if (ROOT / f).is_file():
                 (Path(tmp) / f).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy2(ROOT / f, Path(tmp) / f)
+        link_package_dirs(tmp)
         target = Path(tmp) / file
         text = target.read_text()
         if text.count(original) != 1:
