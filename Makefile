@@ -96,14 +96,14 @@ notebooks: $(STAMP)
 	$(MAKE) colab
 
 # The Colab edition colab/book/*.ipynb, from the stored chapters (roles resolved, includes inlined,
-# diagrams as images); tests/test_colab.py checks that it is in sync.
+# diagrams as images); tests/book/test_colab.py checks that it is in sync.
 colab: $(STAMP)
 	$(VPY) -m normtools.book.colab
 
 # A new Colab reader (CI's last step, ~6-8 min on 2 cores): a fresh venv with only what Colab has
 # (torch, a kernel) and what the edition's setup cell installs, every colab/book chapter run in it.
 colab-reader: $(STAMP)
-	NORMBOOK_COLAB_READER=1 $(VPY) -m pytest tests/test_colab_reader.py -p no:cacheprovider -v -s $(PYTEST_ARGS)
+	NORMBOOK_COLAB_READER=1 $(VPY) -m pytest tests/book/test_colab_reader.py -p no:cacheprovider -v -s $(PYTEST_ARGS)
 
 # The atlas: every causal-LM family of the installed transformers probed from its running code
 # (a few minutes on 2 cores); review the diff (`normtools atlas --compare`) and commit.
@@ -131,7 +131,7 @@ nbval: $(STAMP)
 # ATen's scalar kernels instead of AVX2/AVX-512 ones, MKL's ISA-independent GEMM path (its
 # results differ from the AVX2/AVX-512 paths in the last bits), and one thread instead of the
 # chapters' two (another summation order in parallel reductions). Each of these changes the bits
-# of torch results here (tests/test_book_pipeline.py checks it); none pins anything.
+# of torch results here (tests/book/test_book_pipeline.py checks it); none pins anything.
 PERTURBED_ENV := ATEN_CPU_CAPABILITY=default MKL_CBWR=COMPATIBLE NORMBOOK_THREADS=1 OMP_NUM_THREADS=1
 nbval-perturbed: $(STAMP)
 	$(MAKE) nbval NBVAL_ENV="$(PERTURBED_ENV)"

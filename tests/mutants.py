@@ -37,7 +37,7 @@ MUTANTS = {
     "patch copies the parameters again": (
         "normtools/cards/patching.py", "    new.weight = weight\n",
         "    new.weight = type(weight)(weight.detach().clone())\n",
-        ["tests/test_hardening_patch.py"]),
+        ["tests/cards/test_patching_keeps_state.py"]),
     # kernels (tests/test_kernel_hardening.py; the copy's kernels/ is what normtools._kernels
     # imports there, see link_package_dirs)
     "QK-Norm launcher swaps the casting conventions": (

@@ -7,7 +7,7 @@ settings of chapters 4a and 7 live with the lab code that runs them (``grid.STAB
 same way, as a copy: ``sizes.chapter_settings("05", size, gpu_shrink)``, or for a lab table
 ``sizes.settings_at(grid.STABILITY_SIZES, "stability", size, gpu_shrink)``, and passes them to
 the lab functions it calls; no table is ever changed. ``gpu_shrink`` (default 1: the gpu sizes as they are) divides every size marked
-shrinkable, so that ``tests/test_gpu_path.py`` runs a chapter's ``size="gpu"`` code path on a
+shrinkable, so that ``tests/book/test_gpu_path.py`` runs a chapter's ``size="gpu"`` code path on a
 CPU in seconds and that path cannot rot unseen. A shrunk value is ``value // gpu_shrink``
 rounded down to a multiple of its floor and never below it, so that widths stay divisible by
 their head counts (the floors are multiples of them) and nothing reaches zero::

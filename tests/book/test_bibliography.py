@@ -11,7 +11,7 @@ from pybtex.database import parse_file
 from pybtex.plugin import find_plugin
 from pybtex.richtext import Text
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIB = ROOT / "book" / "references.bib"
 sys.path.insert(0, str(ROOT / "book" / "_ext"))
 import bib_author_year  # noqa: E402

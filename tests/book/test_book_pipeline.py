@@ -15,7 +15,7 @@ import yaml
 
 from normtools.book.build import strip_volatile_metadata
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = sorted((ROOT / "book").glob("*.ipynb"))
 SANITIZE = ROOT / "tests" / "nbval_sanitize.cfg"
 

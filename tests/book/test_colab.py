@@ -16,7 +16,7 @@ import yaml
 
 from normtools.book import colab
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAPTERS = sorted((ROOT / "book").glob("*.ipynb"))
 EDITION = ROOT / "colab" / "book"
 CONFIG = yaml.safe_load((ROOT / "_config.yml").read_text())

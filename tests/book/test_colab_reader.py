@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EDITION = sorted((ROOT / "colab" / "book").glob("*.ipynb"))
 LOCK = ROOT / "constraints.txt"
 REPORT = ROOT / "_build" / "colab_reader"

@@ -7,7 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-BOOK = Path(__file__).resolve().parents[1] / "book"
+BOOK = Path(__file__).resolve().parents[2] / "book"
 CHAPTERS = sorted(BOOK.glob("*.ipynb"))
 UNCOMPARED_TAGS = {"nbval-ignore-output", "nbval-skip"}
 

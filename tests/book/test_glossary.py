@@ -11,7 +11,7 @@ import yaml
 from normtools.book import glossary
 from normtools.book.glossary import TERMS, Term
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "book"
 GLOSSARY_NOTEBOOK = BOOK / "06_glossary.ipynb"
 

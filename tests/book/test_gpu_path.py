@@ -179,7 +179,7 @@ def test_settings_at_returns_a_copy_and_leaves_the_table_as_it_is():
 
 # ------------------------------------------------------------- every chapter's size="gpu" path
 
-BOOK = Path(__file__).resolve().parents[1] / "book"
+BOOK = Path(__file__).resolve().parents[2] / "book"
 GPU_SHRINK = 64
 #: Parameters besides size="gpu", gpu_shrink and threads=1: chapter 4a trains its studies live
 #: at the gpu size, over one seed here.

@@ -14,7 +14,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOOK = ROOT / "book"
 
 # Multi-word model names whose number is part of the name (one-word names such as Qwen3-8B,
@@ -83,7 +83,7 @@ def test_no_number_is_typed_in_the_prose():
             where = f"{name} cell {cell}" if cell is not None else name
             offenders.append(f"{where}: ...{snippet}...")
     assert not offenders, ("numbers typed by hand in the prose (glue them from a cell, or extend "
-                           "the allow-list in tests/test_prose.py if it is a name):\n"
+                           "the allow-list in tests/book/test_prose.py if it is a name):\n"
                            + "\n".join(offenders))
 
 

@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # NORMBOOK_SITE points the tests at a build elsewhere (e.g. one made from a copy of the sources).
 SITE = Path(os.environ.get("NORMBOOK_SITE", ROOT / "_build" / "html"))
 SCREENSHOTS = ROOT / "_build" / "screenshots"

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+README = (Path(__file__).resolve().parents[2] / "README.md").read_text()
 
 
 def test_readme_python_example_runs_and_matches_gemma3():
@@ -25,7 +25,7 @@ def test_readme_gives_the_two_commands_first():
 
 
 def test_every_make_target_the_readme_names_exists():
-    makefile = (Path(__file__).resolve().parents[1] / "Makefile").read_text()
+    makefile = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     targets = set(re.findall(r"^([a-z][\w-]*):", makefile, flags=re.M))
     named = set(re.findall(r"`make ([a-z][\w-]*)", README)) | set(re.findall(r"^make ([a-z][\w-]*)", README, re.M))
     assert {"book", "test", "lock", "nbval-perturbed", "notebooks"} <= named

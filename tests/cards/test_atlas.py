@@ -15,7 +15,7 @@ import torch
 
 from normtools import cards
 from normtools.cards import atlas
-from test_cli import run_cli
+from test_card_cli import run_cli
 
 transformers = pytest.importorskip("transformers")
 

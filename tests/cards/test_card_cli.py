@@ -11,7 +11,7 @@ import pytest
 from normtools import cards
 from normtools.cli import main
 
-GOLDEN = Path(__file__).parent / "golden"
+GOLDEN = Path(__file__).parents[1] / "golden"
 
 
 def run_cli(capsys, *argv):
