@@ -335,7 +335,7 @@ def _write_study(document: dict, path: str | Path, force: bool = False) -> Path:
             existing = 0  # not a study: nothing to keep
         if len(document["runs"]) < existing:
             raise ValueError(f"{path} holds {existing} runs; this study has {len(document['runs'])}. "
-                             f"Pass --force to replace it, or --out to write elsewhere")
+                             f"Move it away, or pass --out to write elsewhere")
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp")
     temporary.write_text(json.dumps(document, indent=1, ensure_ascii=False) + "\n")
