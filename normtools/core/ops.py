@@ -1,13 +1,20 @@
 """RMSNorm and LayerNorm ops: ``rms_norm``, ``add_rms_norm``, ``layer_norm``.
 
-Each op is a ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``,
-``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so
-``torch.compile(fullgraph=True)`` traces through it. The backend is a plain string argument:
+The backend is a plain string argument:
 
-* "torch": the plain-PyTorch reference (normtools.core.reference): the forward equals the HF modules
-  bit for bit; the backward is the analytic float32 gradient (``*_backward_reference``);
-* "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors;
+* "torch": plain PyTorch operations (normtools.core.reference), the forward equal to the HF
+  modules bit for bit. RMSNorm runs ``F.rms_norm`` (the same bits), autograd gives its
+  backward and ``torch.compile`` traces the operations themselves; LayerNorm runs an autograd
+  function with the analytic float32 backward (``_TorchLayerNorm``: why there);
+* "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors, behind a
+  ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``,
+  ``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so that
+  ``torch.compile(fullgraph=True)`` traces through it;
 * "auto": "triton" on CUDA, "torch" on CPU unless TRITON_INTERPRET=1.
+
+A tensor subclass (a DTensor) goes through the custom op on either backend: its sharding rules
+(normtools.core.tp_dtensor) place it; there the torch backend runs the reference forward and the
+analytic float32 gradient (``*_backward_reference``).
 
 Inputs are checked (normtools.core.validate) before anything runs.
 """
@@ -22,17 +29,26 @@ from normtools._kernels import rms_norm as _rms
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (
     inv_rms,
+    layer_norm_apply,
     layer_norm_backward_reference,
     layer_norm_reference,
     layer_norm_statistics,
+    rms_norm_apply,
     rms_norm_backward_reference,
+    rms_norm_native,
     rms_norm_output_dtype,
-    rms_norm_reference,
 )
 
 __all__ = ["rms_norm", "add_rms_norm", "layer_norm"]
 
 Tensor = torch.Tensor
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def runs_torch_math(x, backend):
+    """Whether an op on ``x`` runs as plain PyTorch operations: ``backend`` resolves to "torch"
+    and x is a plain tensor (not a subclass such as a DTensor, which takes the custom op)."""
+    return type(x) in _PLAIN_TENSORS and resolve_backend(backend, x.device) == "torch"
 
 
 def _stat_shape(x):
@@ -106,8 +122,9 @@ def _rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor
     if backend == "triton":
         return _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting)
     summed = x if residual is None else x + residual
-    y = rms_norm_reference(summed, weight, eps, offset, casting)
-    return y, (x.new_empty(0) if residual is None else summed), inv_rms(summed, eps)
+    rstd = inv_rms(summed, eps)
+    y = rms_norm_apply(summed, rstd, weight, offset, casting)
+    return y, (x.new_empty(0) if residual is None else summed), rstd
 
 
 @_rms_norm_fwd.register_fake
@@ -175,6 +192,8 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="
     (N,) or None (no scale).
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
+    if runs_torch_math(x, backend):
+        return rms_norm_native(x, weight, float(eps), float(offset), casting)
     backend = resolve_backend(backend, x.device)
     return _rms_norm_fwd(x, None, weight, float(eps), float(offset), casting, backend)[0]
 
@@ -188,6 +207,9 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="lla
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     validate.check_like(residual, x, "residual")
+    if runs_torch_math(x, backend):
+        summed = x + residual
+        return rms_norm_native(summed, weight, float(eps), float(offset), casting), summed
     backend = resolve_backend(backend, x.device)
     y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
     return y, summed
@@ -247,7 +269,7 @@ def _layer_norm_fwd(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     if backend == "triton":
         return _layer_norm_fwd_triton(x, weight, bias, eps)
     mean, rstd = layer_norm_statistics(x, eps)
-    return layer_norm_reference(x, weight, bias, eps), mean, rstd
+    return layer_norm_apply(x, mean, rstd, weight, bias), mean, rstd
 
 
 @_layer_norm_fwd.register_fake
@@ -288,6 +310,27 @@ def _layer_norm_backward(ctx, dy, dmean, drstd):
 _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
 
 
+class _TorchLayerNorm(torch.autograd.Function):
+    """LayerNorm on the torch backend, eager: the reference forward (its statistics computed
+    once and saved) and the analytic float32 backward ``layer_norm_backward_reference``, the
+    computation of the custom op's torch branch. Under ``torch.compile`` the custom op runs
+    instead, opaque to Inductor, so that a compiled graph gives eager's bits: Inductor's fused
+    reductions would sum the statistics in another order, and dx = r·(g − mean(g) − x̂·mean(x̂g))
+    amplifies that difference past float32 round-off (RMSNorm's F.rms_norm path stays within it).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        mean, rstd = layer_norm_statistics(x, eps)
+        ctx.save_for_backward(x, weight, bias, mean, rstd)
+        return layer_norm_apply(x, mean, rstd, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, bias, mean, rstd = ctx.saved_tensors
+        return (*layer_norm_backward_reference(dy, x, weight, bias, mean, rstd), None)
+
+
 def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend="auto"):
     """LayerNorm over the last dimension: y = (x − mean) · rsqrt(var + eps) ⊙ w + b, with float32
     statistics and the result cast to x.dtype (see normtools.core.reference.layer_norm_reference)."""
@@ -296,5 +339,10 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend="auto"):
     validate.check_param(bias, x, "bias")
     validate.check_eps(eps)
     validate.check_backend(backend)
+    if runs_torch_math(x, backend) and not torch.compiler.is_compiling():
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
+                                           for t in (x, weight, bias)):
+            return _TorchLayerNorm.apply(x, weight, bias, float(eps))
+        return layer_norm_reference(x, weight, bias, float(eps))   # its forward, no graph
     backend = resolve_backend(backend, x.device)
     return _layer_norm_fwd(x, weight, bias, float(eps), backend)[0]

@@ -15,13 +15,16 @@ with the rows chosen by ``scope``:
 
 q is ``(..., Hq · head_dim)`` or ``(..., Hq, head_dim)`` and k likewise with Hk heads (Hk divides
 Hq: grouped-query attention); both outputs keep their input's shape. The math of each row is
-``normtools.core.reference.rms_norm_reference``, which is exactly what ``backend="torch"`` runs.
+``normtools.core.reference.rms_norm_reference``. ``backend="torch"`` computes it as plain
+PyTorch operations (``reference.rms_norm_native`` on q and on k, viewed as rows; autograd
+gives the backward), as the transformers modules do.
 
-Internally q and k are (T, H·head_dim) matrices, T tokens, and a row is one ``row_len``-long
-piece of a token: ``row_len = head_dim`` (per_head) or ``H·head_dim`` (per_layer). The op is the
-custom op ``normtools::qk_norm_fwd`` (backward ``normtools::qk_norm_bwd``), with fake
-implementations for ``torch.compile``; ``backend="triton"`` runs ``kernels/qk_norm.py``, one
-launch for q and k in each direction.
+``backend="triton"`` runs ``kernels/qk_norm.py``, one launch for q and k in each direction,
+behind the custom op ``normtools::qk_norm_fwd`` (backward ``normtools::qk_norm_bwd``), with
+fake implementations for ``torch.compile``; a tensor subclass (a DTensor) takes the custom op
+on either backend (see ``normtools.core.ops``). Inside the op q and k are (T, H·head_dim)
+matrices, T tokens, and a row is one ``row_len``-long piece of a token: ``row_len = head_dim``
+(per_head) or ``H·head_dim`` (per_layer).
 """
 
 import torch
@@ -31,8 +34,9 @@ from torch import nn
 from normtools.core import validate
 from normtools._kernels import qk_norm as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
-from normtools.core.reference import (inv_rms, rms_norm_backward_reference, rms_norm_output_dtype,
-                                 rms_norm_reference)
+from normtools.core.ops import runs_torch_math
+from normtools.core.reference import (inv_rms, rms_norm_apply, rms_norm_backward_reference,
+                                      rms_norm_native, rms_norm_output_dtype)
 
 __all__ = ["qk_norm", "QKNorm", "SCOPES", "check_qk_inputs"]
 
@@ -130,11 +134,23 @@ def _rows(x2d, row_len):
     return x2d.unflatten(-1, (-1, row_len))
 
 
+def torch_qk_norm(x, weight, eps, head_dim, headed, per_layer, offset, casting):
+    """QK-Norm of one tensor x as plain PyTorch operations: ``reference.rms_norm_native`` over
+    its rows, (..., H, head_dim) per head, (..., H·head_dim) per layer; the result has x's
+    shape."""
+    if per_layer:
+        rows = x.flatten(-2) if headed else x
+    else:
+        rows = x if headed else x.unflatten(-1, (-1, head_dim))
+    return rms_norm_native(rows, weight, eps, offset, casting).reshape(x.shape)
+
+
 def torch_forward(x2d, weight, row_len, eps, offset, casting):
     """Reference output (T, W) and float32 inverse RMS (H_rows, T) of one tensor."""
     x = _rows(x2d, row_len)
-    y = rms_norm_reference(x, weight, eps, offset, casting)   # weight (N,) or (H, N) broadcasts
-    return y.flatten(-2), inv_rms(x, eps).squeeze(-1).transpose(0, 1).contiguous()
+    rstd = inv_rms(x, eps)
+    y = rms_norm_apply(x, rstd, weight, offset, casting)   # weight (N,) or (H, N) broadcasts
+    return y.flatten(-2), rstd.squeeze(-1).transpose(0, 1).contiguous()
 
 
 def torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
@@ -311,6 +327,10 @@ def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, head_dim, scope="per_head", o
     """
     headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset,
                                    casting, backend)
+    if runs_torch_math(q, backend):
+        eps, offset, per_layer = float(eps), float(offset), scope == "per_layer"
+        return (torch_qk_norm(q, q_weight, eps, head_dim, headed, per_layer, offset, casting),
+                torch_qk_norm(k, k_weight, eps, head_dim, headed, per_layer, offset, casting))
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     qy, ky, _, _ = _qk_norm_fwd(q2d, k2d, q_weight, k_weight, head_dim, scope == "per_layer",

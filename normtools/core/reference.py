@@ -14,20 +14,26 @@ Statistics (the inverse RMS, the mean and variance of LayerNorm) are always floa
 of a "zero-centred" weight (Gemma's ``1 + w``) is always added in float32: in bfloat16,
 ``1 + 0.0039`` rounds to ``1``.
 
-The backward functions give the analytic gradients in float32 from the saved statistics; they
-are what ``backend="torch"`` runs in the backward pass of the normtools custom ops.
+``backend="torch"`` runs these functions as plain PyTorch operations (autograd differentiates
+them, as it does the transformers modules); RMSNorm through ``rms_norm_native``, the same
+numbers from torch's own ``torch.nn.functional.rms_norm``. The backward functions give the
+analytic gradients in float32 from the saved statistics; they are what the custom ops run
+backward for a tensor subclass such as a DTensor (see ``normtools.core.ops``).
 """
 
 import torch
+import torch.nn.functional as F
 
 __all__ = [
     "inv_rms",
     "rms_norm_output_dtype",
     "rms_norm_reference",
     "rms_norm_apply",
+    "rms_norm_native",
     "rms_norm_backward_reference",
     "layer_norm_statistics",
     "layer_norm_reference",
+    "layer_norm_apply",
     "layer_norm_backward_reference",
     "rotate_half",
     "rope_reference",
@@ -90,6 +96,38 @@ def rms_norm_apply(x, rstd, weight=None, offset=0.0, casting="llama"):
     return (hidden * scale).to(out_dtype)
 
 
+def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
+    """``rms_norm_reference`` computed with torch's RMSNorm op ``F.rms_norm``, bit for bit.
+
+    ``F.rms_norm(x, (N,), s, eps)`` is ``(x.float() · r).to(x.dtype) · s`` with
+    r = rsqrt(mean(x.float()², -1) + eps), the reference's operations in its order, in one call,
+    where its result is the reference's (checked by tests/test_hf_parity_norms.py):
+
+    * without a weight: ``F.rms_norm(x, (N,), None, eps)``;
+    * "llama": a float32 x with a (N,) scale s = offset + w: ``F.rms_norm(x, (N,), s, eps)``;
+      otherwise ``s · F.rms_norm(x, (N,), None, eps)`` cast to promote(w, x) (with a bfloat16
+      or float16 weight torch's op does not round x̂ before the multiply);
+    * "gemma": ``F.rms_norm(x.float(), (N,), s, eps).to(x.dtype)``, s = offset + w.float()
+      (x̂ is not rounded before the multiply);
+
+    a weight of more than one dimension (QK-Norm's (H, N), one row per head) multiplies outside.
+    """
+    n = (x.shape[-1],)
+    if weight is None:
+        return F.rms_norm(x, n, None, eps)
+    if casting == "gemma":
+        scale = offset + weight.to(torch.float32)
+        x32 = x.to(torch.float32)
+        normed = (F.rms_norm(x32, n, scale, eps) if weight.dim() == 1
+                  else F.rms_norm(x32, n, None, eps) * scale)
+        return normed.to(x.dtype)
+    scale = weight if offset == 0 else offset + weight.to(torch.float32)
+    if x.dtype == torch.float32 and weight.dim() == 1:
+        return F.rms_norm(x, n, scale, eps)
+    out_dtype = rms_norm_output_dtype(x.dtype, weight.dtype, casting)
+    return (scale * F.rms_norm(x, n, None, eps)).to(out_dtype)
+
+
 def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
     """Gradients of RMSNorm from the saved float32 inverse RMS ``rstd`` (shape ``(..., 1)``).
 
@@ -117,25 +155,41 @@ def layer_norm_statistics(x, eps):
     mean = mean(x.float(), -1),  rstd = rsqrt(mean((x.float() − mean)², -1) + eps)
     (the biased variance, as ``torch.nn.LayerNorm``).
     """
-    x = x.to(torch.float32)
-    mean = x.mean(-1, keepdim=True)
-    rstd = torch.rsqrt((x - mean).pow(2).mean(-1, keepdim=True) + eps)
+    _, mean, rstd = _centered_statistics(x.to(torch.float32), eps)
     return mean, rstd
+
+
+def _centered_statistics(x32, eps):
+    """(x32 − mean, mean, rstd) of a float32 x32: ``layer_norm_statistics`` with the centred
+    row it computes on the way."""
+    mean = x32.mean(-1, keepdim=True)
+    centered = x32 - mean
+    return centered, mean, torch.rsqrt(centered.pow(2).mean(-1, keepdim=True) + eps)
 
 
 def layer_norm_reference(x, weight=None, bias=None, eps=1e-5):
     """LayerNorm over the last dimension, computed in float32 and cast to x.dtype.
 
     y = ((x − mean) · rstd · w + b).to(x.dtype), mean and rstd from ``layer_norm_statistics``;
-    w = 1 and b = 0 when absent.
+    w = 1 and b = 0 when absent. (x − mean) is computed once, for the variance and for y.
     """
-    mean, rstd = layer_norm_statistics(x, eps)
-    y = (x.to(torch.float32) - mean) * rstd
+    centered, _, rstd = _centered_statistics(x.to(torch.float32), eps)
+    return _scale_and_shift(centered * rstd, weight, bias).to(x.dtype)
+
+
+def layer_norm_apply(x, mean, rstd, weight=None, bias=None):
+    """The last step of ``layer_norm_reference`` for given float32 statistics ``mean`` and
+    ``rstd`` (``(..., 1)``): y = ((x.float() − mean) · rstd · w + b).to(x.dtype)."""
+    return _scale_and_shift((x.to(torch.float32) - mean) * rstd, weight, bias).to(x.dtype)
+
+
+def _scale_and_shift(x_hat, weight, bias):
+    """x̂ · w + b in float32 (w = 1, b = 0 when absent)."""
     if weight is not None:
-        y = y * weight.to(torch.float32)
+        x_hat = x_hat * weight.to(torch.float32)
     if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(x.dtype)
+        x_hat = x_hat + bias.to(torch.float32)
+    return x_hat
 
 
 def layer_norm_backward_reference(dy, x, weight, bias, mean, rstd):

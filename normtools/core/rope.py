@@ -8,9 +8,11 @@ exactly as Qwen3, Gemma 3 and OLMo 2 compute them in transformers (their q_norm 
 computed in PyTorch's promoted dtype of that output and cos / sin, each product and the sum
 rounded (normtools.core.reference.rope_reference); with ``cast_back=True`` the result is cast
 to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``).
-``backend="torch"`` runs that reference; ``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
-``qk_norm_rope_bwd``). The op is the custom op ``normtools::qk_norm_rope_fwd`` (backward
-``normtools::qk_norm_rope_bwd``), with fake implementations for ``torch.compile``.
+``backend="torch"`` runs that reference as plain PyTorch operations (``qk.torch_qk_norm``, then
+``rope_reference``; autograd gives the backward); ``backend="triton"`` runs
+``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and ``qk_norm_rope_bwd``) behind the
+custom op ``normtools::qk_norm_rope_fwd`` (backward ``normtools::qk_norm_rope_bwd``), with fake
+implementations for ``torch.compile``, which a tensor subclass takes on either backend.
 
 cos and sin are the rotary tables of the tokens, ``(..., head_dim)`` with the leading (token)
 dimensions of q, or broadcastable to them (e.g. (1, S, D) for a batch); they get no gradient
@@ -23,8 +25,9 @@ import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend
-from normtools.core.qk import (row_lens, torch_backward, torch_forward, weight_grad_from_partials,
-                               check_qk_inputs)
+from normtools.core.ops import runs_torch_math
+from normtools.core.qk import (row_lens, torch_backward, torch_forward, torch_qk_norm,
+                               weight_grad_from_partials, check_qk_inputs)
 from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
 
@@ -51,13 +54,12 @@ def _check_rope_tables(cos, sin, q, head_dim, token_shape):
         if table.dim() == 0 or table.shape[-1] != head_dim:
             raise ValueError(f"{name} has shape {tuple(table.shape)}; its last dimension must be "
                              f"head_dim={head_dim} (the whole head is rotated)")
-        try:
-            torch.broadcast_shapes(table.shape[:-1], token_shape)
-        except RuntimeError:
+        lead = table.shape[:-1]
+        pairs = list(zip(reversed(lead), reversed(token_shape)))   # aligned from the right
+        if any(a != b and a != 1 and b != 1 for a, b in pairs):
             raise ValueError(f"{name} has shape {tuple(table.shape)}; its leading dimensions "
-                             f"do not broadcast to q's token dimensions {tuple(token_shape)}"
-                             ) from None
-        if torch.broadcast_shapes(table.shape[:-1], token_shape) != token_shape:
+                             f"do not broadcast to q's token dimensions {tuple(token_shape)}")
+        if len(lead) > len(token_shape) or any(a != b and b == 1 for a, b in pairs):
             raise ValueError(f"{name} {tuple(table.shape)} would broadcast q's token dimensions "
                              f"{tuple(token_shape)} to more tokens")
     if sin.dtype != cos.dtype:
@@ -81,6 +83,16 @@ def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset
     heads = normed.unflatten(-1, (-1, head_dim))
     rotated = rope_reference(heads, cos2d[:, None], sin2d[:, None]).flatten(-2)
     return (rotated.to(normed.dtype) if cast_back else rotated), rstd
+
+
+def _torch_qk_norm_rope_one(x, weight, cos, sin, eps, head_dim, headed, per_layer, offset,
+                            casting, cast_back):
+    """RoPE(QK-Norm(x)) of one tensor as plain PyTorch operations: the (..., D) tables broadcast
+    over the heads; the result has x's shape."""
+    normed = torch_qk_norm(x, weight, eps, head_dim, headed, per_layer, offset, casting)
+    heads = normed if headed else normed.unflatten(-1, (-1, head_dim))
+    rotated = rope_reference(heads, cos.unsqueeze(-2), sin.unsqueeze(-2)).reshape(x.shape)
+    return rotated.to(normed.dtype) if cast_back else rotated
 
 
 def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_dim, offset):
@@ -285,6 +297,11 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scop
                                    casting, backend)
     token_shape = q.shape[:-2] if headed else q.shape[:-1]
     _check_rope_tables(cos, sin, q, head_dim, token_shape)
+    if runs_torch_math(q, backend):
+        args = (float(eps), head_dim, headed, scope == "per_layer", float(offset), casting,
+                bool(cast_back))
+        return (_torch_qk_norm_rope_one(q, q_weight, cos, sin, *args),
+                _torch_qk_norm_rope_one(k, k_weight, cos, sin, *args))
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     cos2d = as_rows(cos.expand(*token_shape, head_dim))
