@@ -97,3 +97,5 @@ def test_paired_verdict_reads_a_design_table():
     assert verdicts.paired_verdict(table, "loss", "B", "A", unit="nats").startswith("lower: -0.")
     assert verdicts.paired_verdict(table, "loss", "A", "B").startswith("higher")
     assert verdicts.paired_verdict(table.iloc[[0, 1, 8, 9]], "loss", "B", "A").startswith("not shown")
+    assert verdicts.paired_verdict(table, "loss", "B", "A", numbers=False) == \
+        f"lower (n = 8, sign test p = {2 / 2 ** 8:.2g})"
