@@ -60,6 +60,12 @@ def _add_arguments(parser):
     parser.add_argument("--summary", help="write the Markdown summary here")
     parser.add_argument("--report", metavar="RESULTS_JSON",
                         help="only print the Markdown summary of an existing results file")
+    parser.add_argument("--cpu-table", action="store_true",
+                        help="the CPU table instead of the sweep: normtools' torch path against "
+                             "the HF module, F.rms_norm and torch.compile, interleaved, every op "
+                             "forward and forward+backward, float32 and bfloat16 (--quick: one "
+                             "shape per kind; --reps, --warmup, --threads (default 1), --out, "
+                             "--summary apply)")
 
 
 def _dry_run(args, device, dtype):
@@ -110,6 +116,8 @@ def run_cli(args):
         return _dry_run(args, device, args.dtype or ("bfloat16" if is_cuda else "float32"))
     if args.report:
         text = markdown_summary(read_results(args.report))
+    elif args.cpu_table:
+        text = _cpu_table(args)
     else:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" \
             else args.device
@@ -135,6 +143,21 @@ def run_cli(args):
         Path(args.summary).write_text(text, encoding="utf-8")
     print(text)
     return 0
+
+
+def _cpu_table(args):
+    """Run ``cpu_table.run_cpu_table``, write its JSON to ``--out``; return its Markdown."""
+    import json
+
+    from normtools.measure.bench import cpu_table
+
+    table = cpu_table.run_cpu_table(cpu_table.cpu_cases(args.quick), reps=args.reps or 50,
+                                    warmup=args.warmup or 3, threads=args.threads or 1,
+                                    min_total_s=0.0 if args.quick else 0.5)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(table, indent=1), encoding="utf-8")
+    return cpu_table.cpu_table_markdown(table)
 
 
 def add_cli(subparsers):

@@ -1,0 +1,69 @@
+"""normtools.measure.bench.cpu_table: the CPU table is complete (every op × shape × dtype ×
+contender has its row), a dropped row is seen, and the contenders of a case compute the same
+thing (normtools' torch path equals the transformers module bit for bit). No timing is
+asserted: the table is a benchmark, its numbers belong to the run."""
+
+import torch
+
+from normtools.measure.bench import cpu_table
+
+QUICK = cpu_table.cpu_cases(quick=True)
+TIMED = ("normtools-torch", "hf-module", "torch-F")   # torch.compile: one compile per case
+
+
+def test_the_grid_covers_every_op_shape_and_dtype():
+    cases = cpu_table.cpu_cases()
+    assert {op for op, _, _ in cases} == set(cpu_table.CPU_OPS)
+    assert len(cpu_table.CPU_OPS) == 14 and all(f"{op}_fwd_bwd" in cpu_table.CPU_OPS
+                                                for op in cpu_table.CPU_OPS
+                                                if not op.endswith("_fwd_bwd"))
+    for op in cpu_table.CPU_OPS:
+        shapes = cpu_table.QK_SHAPES if op.startswith("qk") else cpu_table.ROW_SHAPES
+        assert sorted((str(s), str(d)) for o, s, d in cases if o == op) == sorted(
+            (str(s), str(d)) for s in shapes for d in cpu_table.DTYPES)
+
+
+def test_the_table_is_complete_and_a_missing_row_is_seen():
+    table = cpu_table.run_cpu_table(QUICK, TIMED, reps=1, warmup=0, min_total_s=0)
+    assert cpu_table.missing_cells(table, QUICK, TIMED) == []
+    assert len(table["rows"]) == len(QUICK) * len(TIMED)
+    for row in table["rows"]:
+        assert row["status"] == "ok", row
+        assert row["p50_us"] > 0 and row["p95_us"] >= row["p50_us"] and row["p99_us"] >= row["p95_us"]
+        if row["contender"] == "hf-module":
+            assert row["ratio_to_hf"] == 1.0
+    assert {"threads", "torch", "load_average", "method"} <= set(table["conditions"])
+    first = table["rows"][0]
+    dropped = dict(table, rows=table["rows"][1:])
+    assert cpu_table.missing_cells(dropped, QUICK, TIMED) == [
+        (first["op"], first["shape"], first["dtype"], first["contender"])]
+    lines = cpu_table.cpu_table_markdown(table).splitlines()
+    assert len(lines) == 2 + len(QUICK) and all(name in lines[0] for name in TIMED)
+
+
+def test_normtools_torch_computes_the_hf_module_in_every_quick_case():
+    """Forward: the same bits. Forward + backward: the same gradients to float32 / bfloat16
+    round-off (autograd of the module's operations against normtools' backward)."""
+    tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+    for op, shape, dtype in QUICK:
+        calls = cpu_table.contender_calls(op, shape, dtype, ("normtools-torch", "hf-module"))
+        got, want = calls["normtools-torch"](), calls["hf-module"]()
+        got, want = (got if isinstance(got, tuple) else (got,)), (want if isinstance(want, tuple)
+                                                                  else (want,))
+        assert len(got) == len(want), op
+        for a, b in zip(got, want):
+            assert (a is None) == (b is None), (op, shape, dtype)
+            if a is None:           # an input the op does not read
+                continue
+            assert a.dtype == b.dtype, (op, shape, dtype)
+            if op.endswith("_fwd_bwd"):
+                torch.testing.assert_close(a, b, rtol=tolerance[dtype], atol=tolerance[dtype])
+            else:
+                assert torch.equal(a, b), (op, shape, dtype)
+
+
+def test_torch_compile_contender_computes_the_hf_module():
+    op, shape, dtype = QUICK[0]
+    calls = cpu_table.contender_calls(op, shape, dtype, ("torch-compile", "hf-module"))
+    torch.testing.assert_close(calls["torch-compile"](), calls["hf-module"](), rtol=1e-5,
+                               atol=1e-5)
