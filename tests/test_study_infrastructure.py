@@ -167,3 +167,25 @@ def test_relu_mlp_is_the_original_ffn_with_4d_hidden_and_xavier_init():
         assert weight.std().item() == pytest.approx(math.sqrt(2 / (fan_in + fan_out)), rel=0.1)
     with pytest.raises(ValueError, match="mlp"):
         TinyLMConfig(mlp="gelu")
+
+
+def test_bf16_argmax_changes_and_total_variation_against_numpy():
+    from normtools.lab.probes import causal_mask, low_precision_attention
+
+    rng = np.random.default_rng(1)
+    s = (rng.standard_normal((2, 3, 8, 8)) * 400).astype(np.float32)
+    valid = np.tril(np.ones((8, 8), dtype=bool))
+    rounded = torch.from_numpy(s).to(torch.bfloat16).float().numpy().astype(np.float64)
+    exact = s.astype(np.float64)
+
+    def softmax(v):
+        v = np.where(valid, v, -np.inf)
+        e = np.exp(v - v.max(-1, keepdims=True))
+        return e / e.sum(-1, keepdims=True)
+
+    argmax_changed = np.mean(np.where(valid, exact, -np.inf).argmax(-1)
+                             != np.where(valid, rounded, -np.inf).argmax(-1))
+    tv = np.mean(0.5 * np.abs(softmax(exact) - softmax(rounded)).sum(-1))
+    stats = low_precision_attention(torch.from_numpy(s), causal_mask(8, "cpu"))
+    assert stats["argmax_changed"] == pytest.approx(argmax_changed, abs=1e-7)
+    assert stats["tv_mean"] == pytest.approx(tv, rel=1e-3, abs=1e-6)
