@@ -289,8 +289,13 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
         for key in ("study", "size"):
             if existing.get(key) != document[key]:
                 raise ValueError(f"{out} holds {key}={existing.get(key)!r}, not {document[key]!r}")
-        for key in ("model", "steps", "batch_size"):
-            if existing["conditions"].get(key) != document["conditions"][key]:
+        # the model compared as a TinyLMConfig: a field added since keeps its default
+        same = {"model": TinyLMConfig(**existing["conditions"]["model"])
+                == TinyLMConfig(**document["conditions"]["model"]),
+                **{key: existing["conditions"].get(key) == document["conditions"][key]
+                   for key in ("steps", "batch_size")}}
+        for key, equal in same.items():
+            if not equal:
                 raise ValueError(f"{out} was run with other {key}: move it away or pass another --out")
         document["runs"] = [r for r in existing["runs"]]
         document["conditions"]["wall_seconds"] = existing["conditions"].get("wall_seconds", 0)
