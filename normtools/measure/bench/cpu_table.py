@@ -117,21 +117,21 @@ def _hf_forward(op, modules, head_dim):
 
 
 def _normtools_forward(op, head_dim):
-    import normtools
+    from normtools.core import ops, qk, rope
 
     scope = "per_head" if "per_head" in op else "per_layer"
     if op.startswith("qk_norm_rope"):
-        return lambda t: normtools.qk_norm_rope(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"],
-                                                t["sin"], RMS_EPS, head_dim=head_dim,
-                                                scope=scope, backend="torch")
+        return lambda t: rope.qk_norm_rope(t["q"], t["k"], t["q_w"], t["k_w"], t["cos"],
+                                           t["sin"], RMS_EPS, head_dim=head_dim,
+                                           scope=scope, backend="torch")
     if op.startswith("qk_norm"):
-        return lambda t: normtools.qk_norm(t["q"], t["k"], t["q_w"], t["k_w"], RMS_EPS,
-                                           head_dim=head_dim, scope=scope, backend="torch")
-    return {"rms_norm": lambda t: normtools.rms_norm(t["x"], t["w"], RMS_EPS, backend="torch"),
-            "add_rms_norm": lambda t: normtools.add_rms_norm(t["x"], t["residual"], t["w"],
-                                                             RMS_EPS, backend="torch"),
-            "layer_norm": lambda t: normtools.layer_norm(t["x"], t["w"], t["b"], LAYER_EPS,
-                                                         backend="torch")}[op]
+        return lambda t: qk.qk_norm(t["q"], t["k"], t["q_w"], t["k_w"], RMS_EPS,
+                                    head_dim=head_dim, scope=scope, backend="torch")
+    return {"rms_norm": lambda t: ops.rms_norm(t["x"], t["w"], RMS_EPS, backend="torch"),
+            "add_rms_norm": lambda t: ops.add_rms_norm(t["x"], t["residual"], t["w"],
+                                                       RMS_EPS, backend="torch"),
+            "layer_norm": lambda t: ops.layer_norm(t["x"], t["w"], t["b"], LAYER_EPS,
+                                                   backend="torch")}[op]
 
 
 def _as_tuple(out):
