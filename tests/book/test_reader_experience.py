@@ -554,7 +554,6 @@ def _glue_statement(node):
     return False
 
 
-@pytest.mark.xfail(strict=False, reason="glue cells are moved by the lead in this same change")
 def test_no_visible_cell_is_mostly_glue_calls():
     """Glue is bookkeeping for the prose: a cell the reader sees shows the computation, and a cell
     made mostly of glue calls is tagged to be hidden (remove-cell / hide-input)."""
