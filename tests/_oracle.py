@@ -10,7 +10,7 @@ normtools. Tolerances (one place, per input dtype):
 * float16 / bfloat16: |out − ref64| ≤ 2 · |same − ref64| + atol + ulp(ref64) elementwise, where
   ``same`` is plain PyTorch computing the same thing in the same dtype (atol 1e-2 fp16, 5e-2
   bf16; ulp(v) = finfo(dtype).eps · |v|). The casting conventions are told apart in ulps
-  against the HF modules (tests/test_numerics.py), not by this bound.
+  against the HF modules (tests/core/test_numerics.py), not by this bound.
 """
 
 import math

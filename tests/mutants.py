@@ -24,46 +24,46 @@ ROOT = Path(__file__).resolve().parents[1]
 MUTANTS = {
     "spike threshold 7 -> 6 sigma": (
         "normtools/lab/train.py", "OLMO2_SPIKE_K = 1000, 7.0", "OLMO2_SPIKE_K = 1000, 6.0",
-        ["tests/test_hardening_lab.py"]),
+        ["tests/lab/test_spike_threshold.py"]),
     "weight check relaxed to the last dimension": (
         "normtools/core/validate.py", "if param.shape != (n,):", "if param.shape[-1] != n:",
-        ["tests/test_hardening_library.py", "-k", "one_dimensional"]),
+        ["tests/core/test_bad_inputs.py", "-k", "one_dimensional"]),
     "eps check back to > 0": (
         "normtools/core/validate.py", "if not SMALLEST_EPS <= eps < math.inf:", "if not 0 < eps < math.inf:",
-        ["tests/test_hardening_library.py", "-k", "eps"]),
+        ["tests/core/test_bad_inputs.py", "-k", "eps"]),
     "shard_columns without its width check": (
         "normtools/core/tp.py", "    if x.shape[-1] != num_heads * head_dim:", "    if False:",
-        ["tests/test_hardening_library.py", "-k", "shard_columns"]),
+        ["tests/core/test_bad_inputs.py", "-k", "shard_columns"]),
     "patch copies the parameters again": (
         "normtools/cards/patching.py", "    new.weight = weight\n",
         "    new.weight = type(weight)(weight.detach().clone())\n",
         ["tests/cards/test_patching_keeps_state.py"]),
-    # kernels (tests/test_kernel_hardening.py; the copy's kernels/ is what normtools._kernels
+    # kernels (tests/core/test_kernel_hardening.py; the copy's kernels/ is what normtools._kernels
     # imports there, see link_package_dirs)
     "QK-Norm launcher swaps the casting conventions": (
         "normtools/core/qk.py", 'ROUND_XHAT=casting == "llama", num_warps',
         'ROUND_XHAT=casting == "gemma", num_warps',
-        ["tests/test_kernel_hardening.py", "-k", "qk_norm_casting_in_ulps"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "qk_norm_casting_in_ulps"]),
     "QK-Norm + RoPE launcher swaps the casting conventions": (
         "normtools/core/rope.py", 'ROUND_XHAT=casting == "llama",', 'ROUND_XHAT=casting == "gemma",',
-        ["tests/test_kernel_hardening.py", "-k", "qk_norm_rope_casting_in_ulps"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "qk_norm_rope_casting_in_ulps"]),
     "k programs of QK-Norm use q's head count": (
         "kernels/qk_norm.py", "k_heads, stride_k, stride_ky,", "q_heads, stride_k, stride_ky,",
-        ["tests/test_kernel_hardening.py", "-k", "several_programs_per_head_slot"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "several_programs_per_head_slot"]),
     "chunked RMSNorm mean of squares over N - 1": (
         "kernels/rms_norm.py", "tl.rsqrt(tl.sum(sum_sq, axis=1) / N + eps)",
         "tl.rsqrt(tl.sum(sum_sq, axis=1) / (N - 1) + eps)",
-        ["tests/test_kernel_hardening.py", "-k", "error_within and rms_norm and chunked"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "error_within and rms_norm and chunked"]),
     "chunked LayerNorm variance over N - 1": (
         "kernels/layer_norm.py", "tl.rsqrt(m2 / N + eps)", "tl.rsqrt(m2 / (N - 1) + eps)",
-        ["tests/test_kernel_hardening.py", "-k", "error_within and layer_norm and chunked"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "error_within and layer_norm and chunked"]),
     "chunked LayerNorm backward without its mean term": (
         "kernels/layer_norm.py", "(dy * w[None, :] - c1[:, None] - x_hat * c2[:, None])",
         "(dy * w[None, :] - x_hat * c2[:, None])",
-        ["tests/test_kernel_hardening.py", "-k", "error_within and layer_norm and chunked"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "error_within and layer_norm and chunked"]),
     "chunked RMSNorm backward without its mean term": (
         "kernels/rms_norm.py", "(dy * s[None, :] - x_hat * c[:, None])", "(dy * s[None, :])",
-        ["tests/test_kernel_hardening.py", "-k", "error_within and rms_norm and chunked"]),
+        ["tests/core/test_kernel_hardening.py", "-k", "error_within and rms_norm and chunked"]),
 }
 
 

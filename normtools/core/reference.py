@@ -101,7 +101,7 @@ def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
 
     ``F.rms_norm(x, (N,), s, eps)`` is ``(x.float() · r).to(x.dtype) · s`` with
     r = rsqrt(mean(x.float()², -1) + eps), the reference's operations in its order, in one call,
-    where its result is the reference's (checked by tests/test_hf_parity_norms.py):
+    where its result is the reference's (checked by tests/core/test_hf_parity_norms.py):
 
     * without a weight: ``F.rms_norm(x, (N,), None, eps)``;
     * "llama": a float32 x with a (N,) scale s = offset + w: ``F.rms_norm(x, (N,), s, eps)``;

@@ -214,7 +214,7 @@ def test_glossary_terms_of_this_chapter_point_to_its_sections():
 
     from normtools.book.glossary import TERMS
 
-    nb = json.loads((Path(__file__).resolve().parents[1] / "book" / "07_related.ipynb").read_text())
+    nb = json.loads((Path(__file__).resolve().parents[2] / "book" / "07_related.ipynb").read_text())
     labels = set(re.findall(r"^\(([\w-]+)\)=$", "\n".join(
         "".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"), re.M))
     terms = [t for t in TERMS if t.chapter == "07_related"]

@@ -16,7 +16,7 @@ from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.train import _make_optimizer, evaluate
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from normtools.measure import bench
 from normtools.measure.bench import timing
 from normtools.cli import main as cli_main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROW_SHAPE = {"M": 6, "N": 40}
 QK_SHAPE = {"T": 5, "Hq": 4, "Hk": 2, "D": 8}
 
@@ -322,7 +322,7 @@ def test_gpu_check_script_quick_on_cpu_with_symlink_tree(tmp_path):
     """The script end to end on CPU, making normtools importable without installing it."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,
            "GPU_CHECK_IMPORT": "shim",
-           "GPU_CHECK_TESTS": "tests/test_bench.py"}
+           "GPU_CHECK_TESTS": "tests/measure/test_bench.py"}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--quick"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -568,7 +568,7 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     a time estimate within the budget, and the output files named."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_IMPORT": "shim",
-           "GPU_CHECK_TESTS": "tests/test_bench.py tests/test_parity.py",
+           "GPU_CHECK_TESTS": "tests/measure/test_bench.py tests/measure/test_parity.py",
            "LIGER_WHEEL": str(_fake_liger_wheel(tmp_path)), "NORMTOOLS_COMMIT": "feedbee"}
     run = subprocess.run(["bash", "bench/gpu_check.sh", "--dry-run"], env=env, cwd=REPO,
                          capture_output=True, text=True, timeout=600)

@@ -252,7 +252,7 @@ def test_qk_norm_rope_ratios_at_the_cuda_plan(op):
     assert 1.0 <= result["ratio"] <= 1.05, result
 
 
-COMMITTED = Path(__file__).resolve().parents[1] / "book" / "data" / "kernels" / "kernel_traffic.csv"
+COMMITTED = Path(__file__).resolve().parents[2] / "book" / "data" / "kernels" / "kernel_traffic.csv"
 
 
 def test_committed_table_covers_every_case():

@@ -16,7 +16,7 @@ from normtools.lab.data import CORPUS_SHA256
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-STUDY_DIR = Path(__file__).resolve().parents[1] / "book" / "data" / "studies"
+STUDY_DIR = Path(__file__).resolve().parents[2] / "book" / "data" / "studies"
 
 
 def committed(name):
