@@ -100,6 +100,11 @@ class Study:
 
 
 _BASE = {"placement": "pre", "qk_norm": "none"}
+#: The spike studies' arms: OLMo 2's two changes (post-sublayer norms, per-layer QK-Norm) alone and
+#: together, against Pre-LN.
+_SPIKE_VARIANTS = {"pre, none": _BASE, "pre, per_head": {**_BASE, "qk_norm": "per_head"},
+                   "post_sublayer, none": {"placement": "post_sublayer", "qk_norm": "none"},
+                   "post_sublayer, per_layer": {"placement": "post_sublayer", "qk_norm": "per_layer"}}
 #: Wortsman et al.'s independent weight decay: p ← p·(1 − λ·η_t/η) with λ = 1e-4 (their value).
 _INDEPENDENT_WD = {"independent_weight_decay": True, "weight_decay": 1e-4}
 #: Unit-RMS embeddings and a width-scaled std 1/√width for every other matrix (width 64 of the
@@ -142,17 +147,13 @@ STUDIES = {
         "spikes",
         "OLMo 2's spike score, adapted to short runs (window 50, 7σ, percent of scored steps), "
         "and the count of clipped steps after warm-up; OLMo 2's two changes alone and together.",
-        {"pre, none": _BASE, "pre, per_head": {**_BASE, "qk_norm": "per_head"},
-         "post_sublayer, none": {"placement": "post_sublayer", "qk_norm": "none"},
-         "post_sublayer, per_layer": {"placement": "post_sublayer", "qk_norm": "per_layer"}},
+        _SPIKE_VARIANTS,
         lrs=(1e-1,), steps=400, spike_window=50, spike_k=7.0, seeds=tuple(range(10)),
         check={"variant": "pre, none", "lr": 1e-1, "seed": 0}),
     "spikes_long": Study(
         "spikes_long",
         "The spike study at OLMo 2's own window (1,000 values, 7σ) over 2,000 steps.",
-        {"pre, none": _BASE, "pre, per_head": {**_BASE, "qk_norm": "per_head"},
-         "post_sublayer, none": {"placement": "post_sublayer", "qk_norm": "none"},
-         "post_sublayer, per_layer": {"placement": "post_sublayer", "qk_norm": "per_layer"}},
+        _SPIKE_VARIANTS,
         lrs=(1e-1,), steps=2000, spike_window=1000, spike_k=7.0, seeds=tuple(range(10)),
         check={"variant": "pre, none", "lr": 1e-1, "seed": 0}),
     "precision": Study(
