@@ -91,6 +91,10 @@ def compare_paired(baseline, arm, *, log: bool = False, thresholds: dict | None 
     if a.shape != b.shape:
         raise ValueError(f"baseline and arm must pair up, got {a.shape} and {b.shape}")
     d = np.log10(b / a) if log else b - a
+    if d.size < 2:   # one pair (a size="gpu" run of one seed): no interval, no verdict
+        return {"n": int(d.size), "effect": float(d.mean()) if d.size else math.nan,
+                "ci_low": math.nan, "ci_high": math.nan, "p_sign": sign_test_p(d), "mde": math.nan,
+                "verdict": "not shown"}
     low, high = paired_bootstrap_ci(d, t["confidence"], t["bootstrap_resamples"], t["bootstrap_seed"])
     p_sign = sign_test_p(d)
     significant = p_sign <= 1 - t["confidence"]

@@ -215,6 +215,8 @@ def test_kernels_compile_for_cuda():
     cubin for sm_90 (in a fresh process without TRITON_INTERPRET; no GPU needed)."""
     pytest.importorskip("triton.backends.nvidia")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(os.path.dirname(__file__)),  # tests/_oracle.py
+                                         env.get("PYTHONPATH", "")])
     done = subprocess.run([sys.executable, "-c", "import test_qk_norm as t; "
                            "t.compile_kernels_for_sm90(); print('ok')"],
                           cwd=os.path.dirname(__file__), env=env, capture_output=True,
