@@ -75,7 +75,7 @@ class Study:
     spike_window: int = 1000
     spike_k: float = 7.0
     check: dict = field(default_factory=dict)  # the configuration rerun trains by default
-    variant_lrs: dict = field(default_factory=dict)  # variant → its own learning rates
+    top_lrs: dict = field(default_factory=dict)  # variant → k: it runs at the k highest lrs only
     thresholds: dict = field(default_factory=dict)   # over DEFAULT_THRESHOLDS, fixed before the run
 
     def all_thresholds(self) -> dict:
@@ -96,7 +96,12 @@ class Study:
         lrs = self.settings(size, size_settings)["lrs"]
         return [{**fields_, "lr": lr, "seed": seed, "variant": label} for seed in self.seeds
                 for label, fields_ in self.variants.items()
-                for lr in self.variant_lrs.get(label, lrs)]
+                for lr in self.variant_lrs(lrs).get(label, lrs)]
+
+    def variant_lrs(self, lrs) -> dict:
+        """variant → its learning rates, for the variants of ``top_lrs``: the k highest of
+        ``lrs`` (the size's grid), so a control at the top of the sweep follows every size."""
+        return {label: tuple(sorted(lrs)[-k:]) for label, k in self.top_lrs.items()}
 
 
 _BASE = {"placement": "pre", "qk_norm": "none"}
@@ -125,7 +130,7 @@ STUDIES = {
          "soft-cap 50": {**_BASE, **_INDEPENDENT_WD, "attn_softcap": 50.0},
          "z-loss 1e-4": {**_BASE, **_INDEPENDENT_WD, "z_loss_coef": 1e-4},
          "no QK-Norm, no clip": {**_BASE, **_INDEPENDENT_WD, "grad_clip": None}},
-        variant_lrs={"no QK-Norm, no clip": (3e-1, 1.0)},
+        top_lrs={"no QK-Norm, no clip": 2},
         seeds=tuple(range(10)),
         thresholds={"logit_ratio": 10.0},
         check={"variant": "no QK-Norm", "lr": 1e-1, "seed": 0}),
@@ -246,7 +251,8 @@ def new_document(name: str, size: str = "cpu", seeds=None, device="cpu",
             "model": TinyLMConfig(**{**settings["model"], "backend": STUDY_BACKEND}).__dict__,
             "steps": settings["steps"], "batch_size": settings["batch_size"],
             "tokens_per_step": settings["batch_size"] * settings["model"]["max_seq_len"],
-            "lrs": list(settings["lrs"]), "variant_lrs": {k: list(v) for k, v in study.variant_lrs.items()},
+            "lrs": list(settings["lrs"]),
+            "variant_lrs": {k: list(v) for k, v in study.variant_lrs(settings["lrs"]).items()},
             "seeds": list(study.seeds), "n_runs": len(study.cells(size, size_settings)),
             "variants": study.variants,
             "optimizer": "AdamW β=(0.9, 0.95), weight decay 0.1 on matrices (unless the variant "

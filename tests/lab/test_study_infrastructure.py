@@ -189,3 +189,21 @@ def test_bf16_argmax_changes_and_total_variation_against_numpy():
     stats = low_precision_attention(torch.from_numpy(s), causal_mask(8, "cpu"))
     assert 0 < argmax_changed and stats["argmax_changed"] == pytest.approx(argmax_changed, abs=1e-7)
     assert stats["tv_mean"] == pytest.approx(tv, rel=1e-3, abs=1e-6)
+
+
+@pytest.mark.parametrize("size", ["cpu", "gpu", "test"], ids=["size_cpu", "size_of_a_gpu", "size_test"])
+def test_a_top_of_the_sweep_control_follows_each_size_s_grid(size):
+    """lr_sweep's no-clip arm runs at the two highest learning rates of the size's own grid
+    (grid.STABILITY_SIZES), so the highest rate holds every variant (chapter 4a compares them
+    there); a fixed pair of rates put it alone at 1.0 when the gpu grid ends at 0.3."""
+    from normtools.lab.grid import STABILITY_SIZES
+
+    study = studies.STUDIES["lr_sweep"]
+    grid_lrs = sorted(STABILITY_SIZES[size]["sweep_lrs"])
+    lrs_of = {}
+    for cell in study.cells(size):
+        lrs_of.setdefault(cell["variant"], set()).add(cell["lr"])
+    assert lrs_of.pop("no QK-Norm, no clip") == set(grid_lrs[-2:])
+    assert all(lrs == set(grid_lrs) for lrs in lrs_of.values())
+    document = studies.new_document("lr_sweep", size)
+    assert document["conditions"]["variant_lrs"] == {"no QK-Norm, no clip": grid_lrs[-2:]}
