@@ -251,8 +251,11 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     spill report) use the same block sizes and grid.
 
     Grids are persistent: ``slots`` independent row sets (QK-Norm: one per head slot of q and
-    k) get ``groups`` programs each, about PROGRAMS_PER_SM x ``sm_count`` CTAs in all (a
-    program of a cluster plan is ``num_ctas`` CTAs), and a program loops over
+    k) get ``groups`` = max(1, limit // slots) programs each, limit = PROGRAMS_PER_SM x
+    ``sm_count`` // ``num_ctas`` (a program of a cluster plan is ``num_ctas`` CTAs), so the
+    grid never holds more than one wave of resident programs (unless there are more slots
+    than the limit): rounding up instead gave per-head QK-Norm's 40 slots 160 programs on 132
+    SMs, 28 of them a second wave (``normtools.measure.sm_balance``). A program loops over
     ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the weight is read once
     per program, not once per row.
 
@@ -277,7 +280,7 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
                          f"cluster of {num_ctas} CTAs; the chunked kernels' barrier is CTA-scope")
     block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
     blocks = triton.cdiv(m, block_m)
-    groups = max(1, min(blocks, triton.cdiv(limit, slots)))
+    groups = max(1, min(blocks, limit // slots))
     programs, rows_per_program = slots * groups, triton.cdiv(blocks, groups) * block_m
     return LaunchPlan(block_m, block_n, num_warps, programs, rows_per_program, n <= block_n,
                       reason, num_ctas)
