@@ -200,7 +200,9 @@ class QKNormParallel(ParallelStyle):
     The weights become DTensors: sharded by heads (``Shard(0)``) where every rank holds whole
     heads of its own, replicated otherwise (a shared ``(head_dim,)`` weight, or a tensor with
     fewer heads than ranks), the replicated ones with a ``Partial("sum")`` gradient that adds the
-    ranks' (and the head copies') contributions. per_layer runs ``normtools.core.tp.qk_norm``:
+    ranks' (and the head copies') contributions. Head counts the ranks cannot hold whole (H ≥ P
+    not a multiple of P, H < P not a divisor of P) raise a ValueError when the module is
+    parallelized, before any weight is distributed. per_layer runs ``normtools.core.tp.qk_norm``:
     one all-reduce of the per-token sums of squares (q and k together, (T, 2) float32) forward
     and one of the per-token Σ g·x̂ backward; per_head runs the single-device op on the shards.
     """
@@ -213,14 +215,24 @@ class QKNormParallel(ParallelStyle):
             raise ValueError(f"QKNormParallel needs a 1-D tensor-parallel mesh, got "
                              f"{device_mesh.ndim} dimensions")
         world_size = device_mesh.size()
-        for name in ("q_weight", "k_weight"):
+        placements = {}
+        for name in ("q_weight", "k_weight"):   # check both before distributing either
             weight = getattr(module, name)
             heads = None if weight.shape == (module.head_dim,) else (
                 weight.shape[0] if weight.dim() == 2 else weight.numel() // module.head_dim)
-            tp.head_range(heads or world_size, world_size, 0)   # heads and ranks must fit
-            placement = Shard(0) if heads is not None and heads >= world_size else _R
+            try:
+                tp.head_range(heads or world_size, world_size, 0)
+            except ValueError as error:
+                raise ValueError(
+                    f"QKNormParallel: {name} {tuple(weight.shape)} has {heads} heads of "
+                    f"{module.head_dim} columns, which {world_size} ranks cannot hold whole "
+                    f"({error}): heads at least as many as the ranks must be a multiple of "
+                    f"them, fewer heads must divide them (each head replicated on P / H "
+                    f"ranks)") from error
+            placements[name] = Shard(0) if heads is not None and heads >= world_size else _R
+        for name, placement in placements.items():
             module.register_parameter(name, torch.nn.Parameter(
-                distribute_tensor(weight.detach(), device_mesh, [placement])))
+                distribute_tensor(getattr(module, name).detach(), device_mesh, [placement])))
         mesh = device_mesh
 
         def forward(q, k):

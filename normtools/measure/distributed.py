@@ -44,9 +44,11 @@ def spawn(fn, world_size, *args, dist_backend="gloo", **kwargs):
     ``fn`` must be a module-level function (it is imported in the workers, not copied), so this
     works from a notebook. The workers are forked from multiprocessing's fork server, which
     imports torch and normtools once (``set_forkserver_preload``) and is reused by later
-    calls; results travel back through ``torch.save``.
+    calls; results travel back through ``torch.save``. The server also imports
+    ``torch._dynamo``, which the first custom-op call imports otherwise, in every rank (seconds
+    each).
     """
-    multiprocessing.set_forkserver_preload([__name__])
+    multiprocessing.set_forkserver_preload([__name__, "torch._dynamo"])
     with tempfile.TemporaryDirectory() as out_dir:
         init_method = "file://" + os.path.join(out_dir, "rendezvous")
         mp.start_processes(_run_rank, nprocs=world_size, join=True, start_method="forkserver",
