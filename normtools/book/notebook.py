@@ -66,6 +66,23 @@ def glue_number(name: str, value: float, fmt: str = "{:.3g}") -> str:
     return text
 
 
+def legend_below(fig, axis, ncol: int = 2):
+    """Draw ``axis``'s legend under the whole figure, in the figure's text size, centred.
+
+    A legend beside the axes (``bbox_to_anchor=(1, 1)``) widens the saved image and narrows the
+    axes: at phone width (390 px) the image is scaled down until the legend's text is about 5 px
+    tall, and a long title over the narrowed axes runs into the y-label. Under the figure it
+    takes the figure's width instead. Call it after ``fig.tight_layout()``; the legend's top sits
+    at the lowest point of any axes' drawn box (x-label and tick labels included). Returns it.
+    """
+    renderer = fig.canvas.get_renderer()
+    to_figure = fig.transFigure.inverted()
+    bottom = min(ax.get_tightbbox(renderer).transformed(to_figure).y0 for ax in fig.axes)
+    handles, labels = axis.get_legend_handles_labels()
+    return fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, bottom),
+                      ncol=ncol, frameon=False)
+
+
 class _FullTable:
     """A table shown by Jupyter as HTML with every cell in full; see :func:`full_table`."""
 

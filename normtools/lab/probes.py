@@ -38,6 +38,7 @@ profile's panels for a phone.
 from __future__ import annotations
 
 import math
+import textwrap
 from contextlib import contextmanager
 
 import numpy as np
@@ -341,10 +342,13 @@ def plot_profile_rows(df, metrics, by: str, title: str, width: float = 4.5,
     fig, axes = plt.subplots(len(metrics), 1, figsize=(width, panel_height * len(metrics) + 0.6),
                              sharex=True)
     plot_depth_profile(df, metrics=metrics, by=by, ax=list(axes), logy=True)
+    # a y-label longer than its panel runs into the next panel's: wrap it to the panel's height
+    # (9 pt text, about 5.5 pt per character)
+    label_chars = max(12, int(panel_height * 72 / 5.5))
     for axis in axes:
         if axis.get_legend() is not None:
             axis.get_legend().remove()
-        axis.yaxis.label.set_size(9)
+        axis.set_ylabel(textwrap.fill(axis.get_ylabel(), label_chars), size=9)
         _label_line_ends(axis)
     for axis in axes[:-1]:
         axis.set_xlabel("")
