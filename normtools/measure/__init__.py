@@ -13,6 +13,8 @@
 * ``bytes_counter``: the bytes the Triton kernels touch, counted under the interpreter on the
   CUDA launch plan, against the minimum; ``l2_model`` replays those accesses through an L2.
 * ``spills``: registers and spills of the kernels, compiled for each CUDA architecture.
+* ``sm_balance``: how evenly each launch's programs keep the SMs busy (programs, CTAs, waves,
+  SM-time efficiency) on an H200's and an A100's launch plan.
 * ``isolated``: one function run in a fresh Python process.
 * ``distributed``: processes for tensor-parallel runs (``spawn``, ``run_all``) and the bytes each
   collective moves (``CommBytes``); ``tp_blocks`` (a Llama- and an OLMo 2-style block under

@@ -1,0 +1,161 @@
+"""normtools.measure.sm_balance: the SM-time table of the kernels' launches, recounted.
+
+The recount does not use the model: it records the launches the launcher really makes (the
+grid and the arguments, through ``launch_hooks.recording_launches`` on an H200's plan), walks
+each program's token range and heads as the kernel's own docstring lays them out
+(kernels/rms_norm.py, qk_norm.py, qk_norm_rope.py), and computes the SM-time efficiency of one
+wave from first principles: every program on its own SMs at once, so the time is the longest
+program's, Σ work / (SMs × max work / CTAs). The committed tables
+(``python -m normtools.measure.sm_balance --no-compile --csv ...``) must equal the recount and a
+regeneration; a compile of one case for sm_90a checks that its real residency keeps one wave.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from normtools.core import launch_hooks
+from normtools.measure import sm_balance as sb
+from normtools.measure.triton_runs import op_inputs, run_on_triton
+
+DATA = Path(__file__).resolve().parents[2] / "book" / "data" / "kernels"
+COMMITTED = {"h200": DATA / "sm_balance.csv", "a100": DATA / "sm_balance_a100.csv"}
+
+
+def _committed_row(gpu, op, kernel, dtype, shape):
+    table = pd.read_csv(COMMITTED[gpu])
+    label = " ".join(f"{k}={v}" for k, v in shape.items())
+    hit = table[(table["op"] == op) & (table["kernel"] == kernel) & (table["dtype"] == dtype)
+                & (table["shape"] == label)]
+    assert len(hit) == 1, (op, kernel, dtype, label)
+    return hit.iloc[0]
+
+
+def _recorded_work(launch, head_dim):
+    """Work (rows × heads) of every program of a recorded launch, from its grid and arguments
+    and the kernels' documented program layout."""
+    kw, programs = launch.kwargs, launch.grid[0]
+    name = launch.kernel.fn.__name__
+    if name.startswith(("rms_norm", "layer_norm")):
+        rows, per = kw["M"], kw["rows_per_program"]
+        return [max(0, min(per, rows - p * per)) for p in range(programs)]
+    tokens, per, n_q = kw["n_tokens"], kw["tokens_per_program"], kw["n_q_programs"]
+
+    def token_rows(group):
+        return max(0, min(per, tokens - group * per))
+
+    if name.startswith("qk_norm_rope"):
+        # slot s of a tensor: heads [s · BLOCK_H, (s + 1) · BLOCK_H), all heads per layer
+        tensors = ((kw["q_slots"], kw["BLOCK_HQ"], kw["Q_HEADS"]),
+                   (kw["k_slots"], kw["BLOCK_HK"], kw["K_HEADS"]))
+        heads = [[h if kw["PER_LAYER"] else min(block, h - s * block) for s in range(slots)]
+                 for slots, block, h in tensors]
+    else:
+        # head slot p % heads; a per-layer row (one slot) holds N / head_dim heads
+        heads = [[n // head_dim] * slots for slots, n in ((kw["q_heads"], kw["NQ"]),
+                                                          (kw["k_heads"], kw["NK"]))]
+    if kw.get("PAIRED"):
+        # one slot per tensor; program p works on the q and the k slot of token group p
+        return [token_rows(p) * (heads[0][0] + heads[1][0]) for p in range(programs)]
+    work = []
+    for p in range(programs):
+        slot_heads, index = (heads[0], p) if p < n_q else (heads[1], p - n_q)
+        work.append(token_rows(index // len(slot_heads)) * slot_heads[index % len(slot_heads)])
+    return work
+
+
+@pytest.mark.parametrize("op, shape", [
+    ("rms_norm", {"M": 8192, "N": 8192}),                            # a real prefill shape
+    ("rms_norm", {"M": 1024, "N": 65536}),                           # clusters of 4
+    ("qk_norm_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),  # 40 head slots
+    ("qk_norm_per_layer", {"T": 8192, "Hq": 48, "Hk": 8, "D": 128}),  # paired q and k
+    ("qk_norm_rope_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),
+    ("qk_norm_rope_per_head_fwd_bwd", {"T": 1472, "Hq": 64, "Hk": 8, "D": 256}),  # 3 slots
+])
+def test_committed_rows_match_a_recount_of_the_launched_grid(op, shape):
+    """Programs, CTAs, one wave and sm_efficiency of committed H200 rows (bfloat16) against the
+    grid the launcher launches, recounted."""
+    gpu = sb.GPUS["h200"]
+    with (launch_hooks.planning_for_cuda(gpu.sm_count, gpu.capability),
+          launch_hooks.recording_launches() as launches):
+        run_on_triton(op, op_inputs(op, shape, torch.bfloat16))
+    kernel = sb.kernels_of(op)[0]
+    launch = next(x for x in launches if x.kernel.fn.__name__ == kernel)
+    work, ctas = _recorded_work(launch, shape.get("D")), launch.kwargs.get("num_ctas", 1)
+    stored = _committed_row("h200", op, kernel, "bfloat16", shape)
+    assert stored["programs"] == len(work) and stored["ctas"] == ctas
+    assert len(work) * ctas <= gpu.sm_count          # one wave at one CTA per SM
+    assert stored["waves"] == 1
+    recount = sum(work) / (gpu.sm_count * max(work) / ctas)
+    assert stored["sm_efficiency"] == pytest.approx(recount, rel=1e-12)
+
+
+def test_committed_tables_equal_a_regeneration_without_compiling():
+    """Every committed row's grid and sm_efficiency, regenerated (a sample of cases of both
+    GPUs' tables)."""
+    for gpu, path in COMMITTED.items():
+        table = pd.read_csv(path)
+        sample = table.iloc[::37]
+        for row in sample.itertuples():
+            shape = dict((k, int(v)) for k, v in (part.split("=") for part in row.shape.split()))
+            live = sb.case_balance(row.op, shape, getattr(torch, row.dtype), sb.GPUS[gpu])
+            got = next(r for r in live if r["kernel"] == row.kernel)
+            for key in ("programs", "ctas", "warps", "n", "m"):
+                assert got[key] == getattr(row, key), (gpu, row.op, row.shape, key)
+            assert got["sm_efficiency"] == pytest.approx(row.sm_efficiency, rel=1e-12)
+
+
+REGENERATE = r"""
+import json, torch
+from normtools.measure import sm_balance as sb
+shape = {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}
+rows = sb.case_balance("qk_norm_rope_per_head_fwd_bwd", shape, torch.bfloat16, sb.GPUS["h200"],
+                       compile=True)
+print(json.dumps(rows))
+"""
+
+
+@pytest.mark.slow
+def test_compiled_residency_keeps_committed_rows_to_one_wave():
+    """The rows of the fused QK-Norm + RoPE forward and backward (Qwen 3's prefill shape),
+    compiled for sm_90a (in a process without TRITON_INTERPRET, which cannot compile): the
+    same grid and sm_efficiency as committed; the compiled kernel's registers and shared
+    memory hold at least one CTA, no more than the committed bound, and keep one wave."""
+    pytest.importorskip("triton.backends.nvidia")
+    shape = {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", REGENERATE], capture_output=True, text=True,
+                          env=env, check=True)
+    for live in json.loads(done.stdout.strip().splitlines()[-1]):
+        stored = _committed_row("h200", "qk_norm_rope_per_head_fwd_bwd", live["kernel"],
+                                "bfloat16", shape)
+        assert live["resident_from"] == "compile" and live["registers"] > 0
+        assert 1 <= live["resident"] <= stored["resident"]
+        for key in ("programs", "ctas", "waves"):
+            assert live[key] == stored[key], key
+        assert live["sm_efficiency"] == pytest.approx(stored["sm_efficiency"], rel=1e-12)
+
+
+def test_sm_time_of_a_second_wave():
+    """160 equal programs on 132 SMs: 28 SMs run two, so the time is two programs' and the
+    efficiency 160 / (2 · 132); 132 equal programs: 1; a cluster of 4 per program: 33 slots."""
+    assert sb.sm_time([1] * 160, 1, 132) == 2
+    assert sb.sm_time([1] * 132, 1, 132) == 1
+    assert sb.sm_time([4] * 33, 4, 132) == 1
+    assert sb.sm_time([4] * 34, 4, 132) == 2
+
+
+def test_resident_ctas_bounds():
+    """16 warps: 4 CTAs by warps; 128 registers a thread fill an SM's 65536 with one; 129
+    (allocated as 136) leave none; shared memory of 100 KB (+ 1 KB) fits twice in 228 KB."""
+    h200 = sb.GPUS["h200"]
+    assert sb.resident_ctas(h200, 16) == 4
+    assert sb.resident_ctas(h200, 16, registers=128) == 1
+    assert sb.resident_ctas(h200, 16, registers=129) == 0
+    assert sb.resident_ctas(h200, 4, registers=32, shared=100 * 1024) == 2
