@@ -34,8 +34,10 @@ bound the CTAs: ``resident_from`` = "compile". Without it the bound is the warps
 clusters (clusters of 4 or more must fit a GPC; the occupancy query of the GPU run says how
 many are resident), launch latency, and the tail of a persistent program's loop.
 
-``python -m normtools.measure.sm_balance --csv book/data/kernels/sm_balance.csv`` writes the
-H200 table, ``--gpu a100 --csv book/data/kernels/sm_balance_a100.csv`` the A100's.
+``python -m normtools.measure.sm_balance --no-compile --csv book/data/kernels/sm_balance.csv``
+writes the committed H200 table, ``--gpu a100 --no-compile --csv
+book/data/kernels/sm_balance_a100.csv`` the A100's (resident from the warps); without
+``--no-compile`` every configuration is compiled (seconds each, a few hundred per GPU).
 """
 
 import argparse
