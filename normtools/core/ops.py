@@ -3,9 +3,12 @@
 The backend is a plain string argument:
 
 * "torch": plain PyTorch operations (normtools.core.reference), the forward equal to the HF
-  modules bit for bit. RMSNorm runs ``F.rms_norm`` (the same bits), autograd gives its
-  backward and ``torch.compile`` traces the operations themselves; LayerNorm runs an autograd
-  function with the analytic float32 backward (``_TorchLayerNorm``: why there);
+  modules bit for bit. RMSNorm runs ``F.rms_norm`` (the same bits; autograd gives its
+  backward, ``torch.compile`` traces it), except that a large float32 input with a gradient
+  to record takes the reference forward and the analytic float32 backward in an autograd
+  function (``_TorchRMSNorm``, ``ANALYTIC_BACKWARD_MIN_ELEMENTS``: why there); LayerNorm
+  always does when a gradient is recorded (``_TorchLayerNorm``: why there); under
+  ``torch.compile`` both analytic backwards run as the custom op's torch branch;
 * "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors, behind a
   ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``,
   ``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so that
@@ -49,6 +52,12 @@ def runs_torch_math(x, backend):
     """Whether an op on ``x`` runs as plain PyTorch operations: ``backend`` resolves to "torch"
     and x is a plain tensor (not a subclass such as a DTensor, which takes the custom op)."""
     return type(x) in _PLAIN_TENSORS and resolve_backend(backend, x.device) == "torch"
+
+
+def records_graph(*tensors):
+    """Whether a call on ``tensors`` records an autograd graph: gradients are enabled and one of
+    the tensors (None allowed) requires grad."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def _stat_shape(x):
@@ -174,6 +183,64 @@ def _rms_norm_backward(ctx, dy, dsum, drstd):
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
 
 
+class _TorchRMSNorm(torch.autograd.Function):
+    """RMSNorm on the torch backend, eager, when a gradient is recorded: the reference forward
+    (the HF module's operations, r = rsqrt(mean(x²) + eps) computed once and saved) and the
+    analytic float32 backward ``rms_norm_backward_reference``,
+
+        dx = r · (g − x̂ · mean(x̂ ⊙ g, -1)),  g = (offset + w) ⊙ dy,   dw = Σ_rows dy ⊙ x̂.
+
+    Autograd of the module's operations (or of ``F.rms_norm``, the same operations on CPU)
+    runs one backward node per operation, each a pass over (M, N) tensors; where that costs
+    more than this function's Python overhead, ``ANALYTIC_BACKWARD_MIN_ELEMENTS`` says. Under
+    ``torch.compile`` the custom op's torch branch runs the same forward and backward
+    (``_rms_norm_torch``).
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps, offset, casting):
+        rstd = inv_rms(x, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.offset = offset
+        return rms_norm_apply(x, rstd, weight, offset, casting)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        return (*rms_norm_backward_reference(dy, x, weight, rstd, ctx.offset), None, None, None)
+
+
+# A float32 input of at least this many elements takes the analytic backward (_TorchRMSNorm):
+# there autograd of the operations made forward + backward 0.9-1.2x the HF module's time at
+# 256-512 x 4096 and the analytic backward makes it about 0.6x; on smaller rows (64 x 256,
+# 8 x 4096, 256 x 64) the autograd function's Python overhead costs more than the passes it
+# saves (1.1-1.5x against autograd's 0.8-0.95x). bfloat16 stays on autograd: the backward's
+# float32 casts cost more than they save there (1.0-1.35x against 0.9-1.1x at the large rows).
+# Measured with normtools bench's cpu_table, one thread, contenders interleaved (issue 35).
+ANALYTIC_BACKWARD_MIN_ELEMENTS = 256 * 1024
+
+
+def _rms_norm_torch(x, residual, weight, eps, offset, casting):
+    """(y, summed): the torch backend's RMSNorm of summed = x (+ residual) for a plain tensor.
+
+    ``reference.rms_norm_native`` (F.rms_norm where its bits are the module's; autograd
+    differentiates it, ``torch.compile`` traces it), except for a recorded graph of a float32
+    input of ``ANALYTIC_BACKWARD_MIN_ELEMENTS`` or more: eager, ``_TorchRMSNorm``; under
+    ``torch.compile``, the custom op's torch branch, the same forward and backward, opaque to
+    Inductor so that compiled gradients are eager's bits (Inductor's fused sums of the traced
+    analytic backward differ from eager's past float32 round-off: tests/core/test_compile.py).
+    """
+    analytic = (records_graph(x, residual, weight) and x.dtype == torch.float32
+                and x.numel() >= ANALYTIC_BACKWARD_MIN_ELEMENTS)
+    if analytic and torch.compiler.is_compiling():
+        y, summed, _ = _rms_norm_fwd(x, residual, weight, eps, offset, casting, "torch")
+        return y, (x if residual is None else summed)
+    summed = x if residual is None else x + residual
+    if analytic:
+        return _TorchRMSNorm.apply(summed, weight, eps, offset, casting), summed
+    return rms_norm_native(summed, weight, eps, offset, casting), summed
+
+
 def _check_rms_norm_args(x, weight, eps, offset, casting, backend):
     validate.check_input(x)
     validate.check_param(weight, x, "weight")
@@ -193,7 +260,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     if runs_torch_math(x, backend):
-        return rms_norm_native(x, weight, float(eps), float(offset), casting)
+        return _rms_norm_torch(x, None, weight, float(eps), float(offset), casting)[0]
     backend = resolve_backend(backend, x.device)
     return _rms_norm_fwd(x, None, weight, float(eps), float(offset), casting, backend)[0]
 
@@ -208,8 +275,7 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="lla
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     validate.check_like(residual, x, "residual")
     if runs_torch_math(x, backend):
-        summed = x + residual
-        return rms_norm_native(summed, weight, float(eps), float(offset), casting), summed
+        return _rms_norm_torch(x, residual, weight, float(eps), float(offset), casting)
     backend = resolve_backend(backend, x.device)
     y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
     return y, summed
@@ -340,8 +406,7 @@ def layer_norm(x, weight=None, bias=None, eps=1e-5, *, backend="auto"):
     validate.check_eps(eps)
     validate.check_backend(backend)
     if runs_torch_math(x, backend) and not torch.compiler.is_compiling():
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad
-                                           for t in (x, weight, bias)):
+        if records_graph(x, weight, bias):
             return _TorchLayerNorm.apply(x, weight, bias, float(eps))
         return layer_norm_reference(x, weight, bias, float(eps))   # its forward, no graph
     backend = resolve_backend(backend, x.device)

@@ -212,6 +212,7 @@ def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_tota
     or ``status`` "error" and the reason when a contender fails (torch.compile without a C++
     compiler, say)."""
     torch.set_num_threads(threads)
+    load_at_start = list(os.getloadavg())
     rows = []
     for op, shape, dtype in cases if cases is not None else cpu_cases():
         label = " ".join(f"{k}={v}" for k, v in shape.items())
@@ -237,15 +238,17 @@ def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_tota
             rows.append(row)
         if progress:
             progress(rows[-len(contenders):])
-    return {"conditions": _conditions(threads, reps, warmup, min_total_s), "rows": rows}
+    conditions = _conditions(threads, reps, warmup, min_total_s)
+    conditions["load_average_at_start"] = load_at_start
+    return {"conditions": conditions, "rows": rows}
 
 
 def _conditions(threads, reps, warmup, min_total_s):
-    return {"device": "cpu", "cpu": sysinfo.cpu_name() if hasattr(sysinfo, "cpu_name") else None,
-            "torch": torch.__version__, "threads": threads,
+    """``sysinfo.run_conditions`` (time, CPU model and count, load average, versions, commit)
+    and the table's own: threads, samples, OMP_WAIT_POLICY and the method."""
+    return {**sysinfo.run_conditions("cpu"), "torch": torch.__version__, "threads": threads,
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
-            "load_average": os.getloadavg(), "reps": reps, "warmup": warmup,
-            "min_total_s": min_total_s,
+            "reps": reps, "warmup": warmup, "min_total_s": min_total_s,
             "method": "contenders interleaved one call each per round, one warm input set, "
                       "time.perf_counter_ns per call"}
 
