@@ -604,3 +604,180 @@ def test_colab_edition_links_into_the_book_resolve(site):
                     broken.append(f"{edition.name}: {url} (no anchor)")
     assert checked > 20, f"only {checked} links into the book in the Colab edition"
     assert not broken, "\n".join(broken)
+
+
+# ------------------------------------------------------------- issue 36: a lesson in ten screens
+
+SCREEN = {"width": 1280, "height": 800}   # a laptop screen; one "screen" is the viewport's height
+CORE_CHAPTERS = ("01_definition", "02_flow", "03_solution", "05_examples")
+MAX_SCREENS = 10
+
+PAGE_HEIGHT = """async () => {
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) { await MathJax.startup.promise; }
+  return {height: document.documentElement.scrollHeight,
+          open: [...document.querySelectorAll('details')].filter(d => d.open).length
+            + document.querySelectorAll('.admonition.toggle:not(.toggle-hidden)').length};
+}"""
+
+
+def test_each_core_chapter_is_at_most_ten_screens_at_desktop_width(site, browser):
+    """Issue 36: chapters 1, 2, 3 and 5 are each a lesson of at most ten screens at 1280 x 800,
+    with collapsed sections (dropdowns, hide-cell/hide-input/hide-output toggles) as a reader
+    first sees them: closed. The whole document's height counts, page header and footer included."""
+    chromium, _ = browser
+    context = chromium.new_context(viewport=SCREEN)
+    screens, problems = {}, []
+    for stem in CORE_CHAPTERS:
+        page = context.new_page()
+        page.route("**/*", lambda r: r.continue_() if r.request.url.startswith("file:") else r.abort())
+        page.goto((site / "book" / f"{stem}.html").as_uri(), wait_until="load")
+        state = page.evaluate(PAGE_HEIGHT)
+        page.close()
+        screens[stem] = state["height"] / SCREEN["height"]
+        if state["open"]:
+            problems.append(f"{stem}: {state['open']} collapsed sections open on load")
+        if screens[stem] > MAX_SCREENS:
+            problems.append(f"{stem}: {screens[stem]:.2f} screens of {SCREEN['height']} px")
+    context.close()
+    print("\nscreens at 1280 x 800:", {stem: round(n, 2) for stem, n in screens.items()})
+    assert not problems, "\n".join(problems)
+
+
+# ------------------------------------------------- issue 29: figure legends legible at phone width
+
+PHONE_COLUMN_PX = 358      # the widest a chapter figure is drawn in a 390 px viewport (measured)
+MIN_LEGEND_PX = 8          # the legend's font size on the phone's screen, in CSS pixels
+
+
+def _legend_font_points(source):
+    """The font size, in points, of every legend a cell's code draws (``.legend(...)`` and
+    ``legend_below(...)``): its ``fontsize`` argument, or matplotlib's default for a legend."""
+    import ast
+
+    import matplotlib
+    from matplotlib.font_manager import font_scalings
+
+    def points(value):
+        if isinstance(value, (int, float)):
+            return float(value)
+        return font_scalings[value] * matplotlib.rcParamsDefault["font.size"]
+
+    sizes = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) in (
+                "legend", "legend_below"):
+            given = [k.value for k in node.keywords if k.arg == "fontsize"]
+            if given and not isinstance(given[0], ast.Constant):
+                raise ValueError(f"a legend font size this check cannot read: {ast.unparse(given[0])}")
+            sizes.append(points(given[0].value if given else matplotlib.rcParamsDefault["legend.fontsize"]))
+    return sizes
+
+
+def legend_px_at_phone_width(legend_points, png_width, dpi):
+    """CSS pixels of a legend's font on a 390 px screen: points × dpi / 72 in the saved image,
+    scaled by the width the page gives the image over its natural width."""
+    return legend_points * dpi / 72 * min(1.0, PHONE_COLUMN_PX / png_width)
+
+
+def test_legend_px_at_phone_width_is_the_scaled_font():
+    assert legend_px_at_phone_width(10, 358, 100) == pytest.approx(10 * 100 / 72)
+    assert legend_px_at_phone_width(10, 716, 100) == pytest.approx(10 * 100 / 72 / 2)
+    assert legend_px_at_phone_width(10, 200, 100) == pytest.approx(10 * 100 / 72)
+    assert _legend_font_points('ax.legend(fontsize="small")\nlegend_below(fig, ax)') == [
+        pytest.approx(8.33, abs=0.01), 10.0]
+
+
+# Chapter 4b is another session's this round: its two timing figures draw "small" legends on
+# 590 px images (7.0 px at 390 px). strict: the mark must go when they are fixed.
+LEGENDS_OPEN = {"04b_profiling_kernels": "issue 29: 4b's timing figures' legends are 7.0 px at 390 px"}
+
+
+@pytest.mark.parametrize("notebook", [
+    pytest.param(n, marks=pytest.mark.xfail(reason=LEGENDS_OPEN[n.stem], strict=True))
+    if n.stem in LEGENDS_OPEN else n for n in CHAPTER_NOTEBOOKS], ids=[n.stem for n in CHAPTER_NOTEBOOKS])
+def test_figure_legends_are_legible_at_phone_width(notebook):
+    """Issue 29: legends ended up about 5 px tall at 390 px (a small font beside the axes of a
+    wide image). Each figure's legend font, scaled as the phone scales the stored image, is at
+    least MIN_LEGEND_PX."""
+    import base64
+    import io
+
+    from PIL import Image
+
+    small = []
+    for cell in json.loads(notebook.read_text())["cells"]:
+        if cell["cell_type"] != "code":
+            continue
+        images = [Image.open(io.BytesIO(base64.b64decode(o["data"]["image/png"])))
+                  for o in cell.get("outputs", []) if "image/png" in o.get("data", {})]
+        if not images:
+            continue
+        try:
+            legends = _legend_font_points("".join(cell["source"]))
+        except SyntaxError:                                   # IPython magics
+            continue
+        for image in images:
+            dpi = image.info.get("dpi", (72, 72))[0]
+            for points in legends:
+                px = legend_px_at_phone_width(points, image.width, dpi)
+                if px < MIN_LEGEND_PX:
+                    small.append(f"cell {cell.get('id')}: a {points:.1f} pt legend on a {image.width} px "
+                                 f"figure at {dpi:.0f} dpi is {px:.1f} px at 390 px")
+    assert not small, f"{notebook.stem}:\n" + "\n".join(small)
+
+
+def test_legend_below_keeps_the_axes_and_the_legend_apart():
+    """normtools.book.notebook.legend_below: the legend sits under every axes' drawn box (x-label
+    included), in the figure's text size, and the saved image is no wider than the figure, so a
+    long title keeps clear of the y-label (issue 29: a title over axes narrowed by a legend beside
+    them ran into the y-label)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import io
+
+    import matplotlib.pyplot as plt
+    from PIL import Image
+
+    from normtools.book.notebook import legend_below
+
+    fig, ax = plt.subplots(figsize=(5.6, 3.6), dpi=100)
+    for i in range(5):
+        ax.plot(range(10), [i * x for x in range(10)], label=f"a long label for line {i}")
+    ax.set(xlabel="step", ylabel="gradient norm (before clipping)",
+           title="peak lr 0.1: median and range over seeds")
+    fig.tight_layout()
+    legend = legend_below(fig, ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_box = legend.get_window_extent(renderer)
+    assert legend_box.y1 <= ax.get_tightbbox(renderer).y0 + 0.5
+    assert legend.get_texts()[0].get_fontsize() >= matplotlib.rcParams["font.size"]
+    title_box = ax.title.get_window_extent(renderer)
+    assert not title_box.overlaps(ax.yaxis.label.get_window_extent(renderer))
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    plt.close(fig)
+    assert Image.open(buffer).width <= 5.6 * 100
+
+
+def test_no_two_sources_are_cited_with_the_same_text(site):
+    """Issue 29: DeepSeek-V2 and DeepSeek-V3 (both DeepSeek-AI, 2024) were cited as the same
+    "DeepSeek-AI, 2024": a reader could not tell which source a citation meant. Every citation
+    text on the pages points at one bibliography entry."""
+    from bs4 import BeautifulSoup
+
+    targets = {}
+    for page in _pages(site):
+        soup = BeautifulSoup(page.read_text(encoding="utf-8"), "html.parser")
+        for link in soup.find_all("a", href=re.compile(r"08_sources\.html#|^#id")):
+            if link.find_parent(attrs={"role": "doc-biblioentry"}) is not None:
+                continue
+            anchor = link["href"].split("#", 1)[1]
+            if page.name != "08_sources.html" and "08_sources.html#" not in link["href"]:
+                continue
+            targets.setdefault(link.get_text(" ", strip=True), set()).add(anchor)
+    assert len(targets) > 20, f"only {len(targets)} citation texts found"
+    shared = {text: sorted(anchors) for text, anchors in targets.items() if len(anchors) > 1}
+    assert not shared, f"citation texts that name more than one source: {shared}"
+
