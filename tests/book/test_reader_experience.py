@@ -687,14 +687,7 @@ def test_legend_px_at_phone_width_is_the_scaled_font():
         pytest.approx(8.33, abs=0.01), 10.0]
 
 
-# Chapter 4b is another session's this round: its two timing figures draw "small" legends on
-# 590 px images (7.0 px at 390 px). strict: the mark must go when they are fixed.
-LEGENDS_OPEN = {"04b_profiling_kernels": "issue 29: 4b's timing figures' legends are 7.0 px at 390 px"}
-
-
-@pytest.mark.parametrize("notebook", [
-    pytest.param(n, marks=pytest.mark.xfail(reason=LEGENDS_OPEN[n.stem], strict=True))
-    if n.stem in LEGENDS_OPEN else n for n in CHAPTER_NOTEBOOKS], ids=[n.stem for n in CHAPTER_NOTEBOOKS])
+@pytest.mark.parametrize("notebook", CHAPTER_NOTEBOOKS, ids=[n.stem for n in CHAPTER_NOTEBOOKS])
 def test_figure_legends_are_legible_at_phone_width(notebook):
     """Issue 29: legends ended up about 5 px tall at 390 px (a small font beside the axes of a
     wide image). Each figure's legend font, scaled as the phone scales the stored image, is at
