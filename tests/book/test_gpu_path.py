@@ -236,13 +236,7 @@ def gpu_runs(tmp_path_factory):
     return runs
 
 
-# Chapter 4a at size="gpu" loads or runs the studies live with this round's new definitions (10
-# seeds, new arms) and fails at the shrunk size; known and open (issue 28), not hidden.
-_BROKEN_AT_GPU_SIZE = {"04a_profiling_stability": "4a's size='gpu' path fails with the new study definitions (issue 28)"}
-
-
-@pytest.mark.parametrize("chapter", [pytest.param(c, marks=pytest.mark.xfail(reason=_BROKEN_AT_GPU_SIZE[c], strict=False))
-                                     if c in _BROKEN_AT_GPU_SIZE else c for c in CHAPTERS])
+@pytest.mark.parametrize("chapter", CHAPTERS)
 def test_chapter_runs_to_the_end_at_the_shrunk_gpu_size(gpu_runs, chapter):
     assert "gpu_shrink" in _parameters_source(BOOK / f"{chapter}.ipynb"), (
         f"{chapter} has a size but no gpu_shrink parameter (see normtools.book.sizes)")
