@@ -15,6 +15,7 @@ counts the ranks cannot hold rejected when the module is parallelized.
 import pytest
 import torch
 
+from normtools.core.reference import rope_reference, rope_tables
 from normtools.measure import distributed, tp_blocks
 
 SIZES = {"dim": 32, "num_heads": 8, "num_kv_heads": 4, "hidden": 64}
@@ -90,19 +91,9 @@ UNSPLITTABLE_HEADS_BY_WORLD_SIZE = {2: [(4, 3), (3, 1)], 4: [(4, 3), (6, 2)]}
 K_INPUTS = ("replicated", "local_head")
 
 
-def rotate_by_position(t, cos, sin):
-    """RoPE of (B, H, S, D) heads, transformers' rotate-half layout: t·cos + rot(t)·sin with
-    rot(t) = (−t₂, t₁) for the halves t₁, t₂ of the head."""
-    first, second = t.chunk(2, dim=-1)
-    return t * cos + torch.cat([-second, first], dim=-1) * sin
-
-
-def rope_cos_sin(seq, head_dim, base=10000.0):
-    """cos, sin (1, 1, S, D) of the angles s·base^(−2i/D), each frequency twice."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    angles = torch.arange(seq, dtype=torch.float64)[:, None] * inv_freq
-    angles = torch.cat([angles, angles], dim=-1)
-    return angles.cos()[None, None], angles.sin()[None, None]
+def rope_cos_sin(seq, head_dim):
+    """cos, sin (1, 1, S, D) of transformers' default RoPE (``reference.rope_tables``), float64."""
+    return tuple(t[None, None] for t in rope_tables(seq, head_dim, 10000.0, torch.float64))
 
 
 class Olmo2Attention(torch.nn.Module):
@@ -125,7 +116,7 @@ class Olmo2Attention(torch.nn.Module):
         batch, seq = x.shape[:2]
         q, k, v = (t.reshape(batch, seq, -1, HEAD_DIM).transpose(1, 2)
                    for t in (q, k, self.wv(x)))
-        q, k = rotate_by_position(q, cos, sin), rotate_by_position(k, cos, sin)
+        q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                                enable_gqa=True)
         return self.wo(out.transpose(1, 2).reshape(batch, seq, -1))
@@ -144,7 +135,7 @@ def olmo2_attention_reference(x, weights, cos, sin, eps=1e-6):
                for t in (q, k, x @ weights["wv.weight"].T))
     group = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    q, k = rotate_by_position(q, cos, sin), rotate_by_position(k, cos, sin)
+    q, k = rope_reference(q, cos, sin), rope_reference(k, cos, sin)
     scores = q @ k.transpose(-1, -2) / HEAD_DIM ** 0.5
     scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool).triu(1), float("-inf"))
     out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
