@@ -39,7 +39,7 @@ import torch
 
 from normtools.core import sysinfo
 from normtools.core.command_line import device_name, positive_int
-from normtools.lab import grid
+from normtools.lab import grid, train
 from normtools.lab.data import CORPUS_SHA256, load_corpus
 from normtools.lab.designs import DESIGNS, TRAINED_DESIGNS
 from normtools.lab.tinylm import TinyLMConfig
@@ -399,12 +399,23 @@ def compare_rerun(document: dict, chosen: dict, record: dict,
 
 
 def study_table(document: dict):
-    """(document, runs table) of an already loaded document (see :func:`load_study`)."""
+    """(document, runs table) of an already loaded document (see :func:`load_study`). The table
+    has one row per run, its scalar fields, and ``clipped_steps``: the steps after warm-up that
+    gradient clipping rescaled (:func:`normtools.lab.train.clipped_steps` of the run's gradient
+    norm curve at its variant's clip; NaN for a run without clipping or without the curve)."""
     import pandas as pd
 
-    table = pd.DataFrame([{k: v for k, v in run.items() if k not in ("layers", "curves")}
-                          for run in document["runs"]])
-    return document, table
+    conditions = document["conditions"]
+    warmup = train.default_warmup(conditions["steps"])
+    rows = []
+    for run in document["runs"]:
+        row = {k: v for k, v in run.items() if k not in ("layers", "curves")}
+        clip = conditions["variants"].get(run["variant"], {}).get("grad_clip", 1.0)
+        curve = run.get("curves", {}).get("grad_norm")
+        row["clipped_steps"] = (train.clipped_steps(curve, clip, warmup)
+                                if clip is not None and curve is not None else np.nan)
+        rows.append(row)
+    return document, pd.DataFrame(rows)
 
 
 def add_cli(subparsers):

@@ -155,6 +155,21 @@ def byte_unigram_loss(data) -> float:
     return float(-log_p[data.val].mean())
 
 
+def default_warmup(steps: int) -> int:
+    """The warm-up of :func:`train` when none is given: max(1, ⌊steps / 10⌋) steps."""
+    return max(1, steps // 10)
+
+
+def clipped_steps(grad_norms, clip: float = 1.0, warmup: int | None = None) -> int:
+    """The number of steps after warm-up whose gradient norm (before clipping) exceeds ``clip``:
+    #{t ≥ warmup : g_t > clip}, the steps :func:`train`'s clipping rescaled. ``warmup``
+    defaults to :func:`default_warmup` of the series' length; non-finite norms count."""
+    g = np.asarray(grad_norms, dtype=np.float64)
+    warmup = default_warmup(g.size) if warmup is None else warmup
+    tail = g[warmup:]
+    return int((~np.isfinite(tail)).sum() + (tail[np.isfinite(tail)] > clip).sum())
+
+
 def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16,
           seq_len: int | None = None, warmup: int | None = None, min_lr_ratio: float = 0.1,
           weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
@@ -182,7 +197,7 @@ def train(model: nn.Module, data, steps: int, lr: float, *, batch_size: int = 16
     if not z_loss_coef >= 0:
         raise ValueError(f"z_loss_coef must be ≥ 0, got {z_loss_coef}")
     seq_len = seq_len or model.config.max_seq_len
-    warmup = max(1, steps // 10) if warmup is None else warmup
+    warmup = default_warmup(steps) if warmup is None else warmup
     device = next(model.parameters()).device
     precision, autocast = autocast_for(precision, device)
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None

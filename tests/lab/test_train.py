@@ -9,7 +9,8 @@ import torch
 
 from normtools.lab import data
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
-from normtools.lab.train import lr_at, lr_sensitivity, lr_sweep, per_layer, spike_score, train
+from normtools.lab.train import (clipped_steps, lr_at, lr_sensitivity, lr_sweep, per_layer,
+                                 spike_score, train)
 
 
 
@@ -92,6 +93,29 @@ def test_spike_score_against_pandas_rolling():
     assert spike_score(np.ones(50), 10, 3.0) == 0.0
     with pytest.raises(ValueError):
         spike_score(x[:10], window=20)
+
+
+def test_clipped_steps_counts_the_steps_torch_rescaled_after_warm_up(text):
+    """Against PyTorch's own clipping on the recorded pre-clip norms of a real run: a step counts
+    when ``clip_grad_norm_`` rescales a gradient of that norm and the run's learning rate has
+    reached its peak (the step after warm-up's last step, read from the recorded schedule)."""
+    torch.manual_seed(0)
+    model = TinyLM(TinyLMConfig(width=32, depth=2, heads=2, max_seq_len=16))
+    df = train(model, text, steps=30, lr=3e-2, batch_size=4, grad_clip=1.0, eval_batches=0,
+               quiet=True)
+    clip = float(np.median(df["grad_norm"]))   # a threshold some steps cross and some do not
+    after_warmup = int(np.argmax(df["lr"].to_numpy() == df["lr"].max())) + 1
+    rescaled = 0
+    for g in df["grad_norm"].to_numpy()[after_warmup:]:
+        grad = torch.tensor([float(g), 0.0], dtype=torch.float64)
+        p = torch.nn.Parameter(torch.zeros(2, dtype=torch.float64))
+        p.grad = grad.clone()
+        torch.nn.utils.clip_grad_norm_([p], clip)
+        rescaled += int(not torch.equal(p.grad, grad))
+    assert 0 < rescaled < len(df) - after_warmup
+    assert clipped_steps(df["grad_norm"], clip) == rescaled
+    curve = np.r_[np.full(3, 5.0), 0.5, np.nan, 2.0]
+    assert clipped_steps(curve, 1.0, warmup=3) == 2      # a non-finite norm counts
 
 
 def test_spike_score_defaults_are_olmo2s_definition():
