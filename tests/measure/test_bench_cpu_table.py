@@ -67,3 +67,46 @@ def test_torch_compile_contender_computes_the_hf_module():
     calls = cpu_table.contender_calls(op, shape, dtype, ("torch-compile", "hf-module"))
     torch.testing.assert_close(calls["torch-compile"](), calls["hf-module"](), rtol=1e-5,
                                atol=1e-5)
+
+
+def _chapter_grid():
+    """book/data/kernels/make_cpu_table.py, the script that writes chapter 4b's table."""
+    import runpy
+    from pathlib import Path
+
+    return runpy.run_path(str(Path(__file__).parents[2] / "book" / "data" / "kernels"
+                              / "make_cpu_table.py"))
+
+
+def test_the_chapter_grid_covers_the_bench_and_the_lab_shapes():
+    """The chapter's table has normtools bench's CPU shapes, the lab's "cpu" TinyLM's rows and
+    QK heads (derived here from normtools.lab.grid) and every contender, torch.compile too."""
+    from normtools.lab.grid import STABILITY_SIZES
+    from normtools.measure.bench.shapes import default_shapes
+
+    script = _chapter_grid()
+    shapes = script["SHAPES"]
+    bench = default_shapes("cpu")
+    for op_shapes in bench.values():
+        assert all(shape in shapes for shape in op_shapes)
+    lab = STABILITY_SIZES["cpu"]
+    tokens = lab["batch_size"] * lab["model"]["max_seq_len"]
+    width, heads = lab["model"]["width"], lab["model"]["heads"]
+    assert {"M": tokens, "N": width} in shapes
+    assert {"T": tokens, "Hq": heads, "Hk": heads, "D": width // heads} in shapes
+    assert set(script["CONTENDERS"]) == set(cpu_table.CONTENDERS)
+    cases = script["grid_cases"]()
+    assert {op for op, _, _ in cases} == set(cpu_table.CPU_OPS)
+    assert all(case in cpu_table.cpu_cases() for case in cases)
+
+
+def test_the_committed_chapter_table_is_complete():
+    """book/data/kernels/cpu_table.json has a row for every case × contender of the script
+    that writes it (rerun the script after changing its grid)."""
+    import json
+    from pathlib import Path
+
+    script = _chapter_grid()
+    path = Path(__file__).parents[2] / "book" / "data" / "kernels" / "cpu_table.json"
+    table = json.loads(path.read_text(encoding="utf-8"))
+    assert cpu_table.missing_cells(table, script["grid_cases"](), script["CONTENDERS"]) == []

@@ -131,6 +131,16 @@ _RECOMPILE_LIMIT = 512
 _COMPILED = {}
 
 
+def allow_recompiles():
+    """Raise Dynamo's recompile limits to ``_RECOMPILE_LIMIT`` (never lower them), so that every
+    shape of a run compiles instead of falling back to eager."""
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name,
+                    max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
+
+
 def _compiled_reference_ops(head_dim):
     """torch.compile of the reference composition, built once per head_dim and kept: a new
     shape recompiles in the same process (warm caches) instead of after a
@@ -138,11 +148,7 @@ def _compiled_reference_ops(head_dim):
     from normtools.core.reference import layer_norm_reference, rms_norm_reference
 
     if head_dim not in _COMPILED:
-        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
-                     "accumulated_cache_size_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name,
-                        max(getattr(torch._dynamo.config, name), _RECOMPILE_LIMIT))
+        allow_recompiles()
         ops = _composed_ops(rms_norm_reference, layer_norm_reference, head_dim)
         _COMPILED[head_dim] = {op: torch.compile(fn, dynamic=False) for op, fn in ops.items()}
     return _COMPILED[head_dim]

@@ -14,7 +14,9 @@ it reproduces, per op, shape and dtype, with the contenders (``CONTENDERS``)
   ``apply_rotary_pos_emb`` (Llama's) with the (T, D) tables broadcast over the heads;
 * "torch-F": ``torch.nn.functional.rms_norm`` / ``layer_norm`` in the same composition
   (``backends._torch_f_ops``);
-* "torch-compile": ``torch.compile`` of the hf-module composition (``dynamic=False``).
+* "torch-compile": ``torch.compile`` of the hf-module composition (``dynamic=False``), one
+  compile per case, before timing (its first call; the seconds it took are the row's
+  ``first_call_s`` and their sum is the conditions' ``torch_compile_s``).
 
 Every op is timed forward (under ``torch.no_grad()``) and forward + backward (``_fwd_bwd``:
 the gradients of ⟨outputs, dy⟩ to every input and weight). The contenders of one case run
@@ -32,7 +34,7 @@ import torch
 from torch import nn
 
 from normtools.core import sysinfo
-from normtools.measure.bench.backends import _torch_f_ops
+from normtools.measure.bench.backends import _torch_f_ops, allow_recompiles
 from normtools.measure.bench.shapes import LAYER_EPS, RMS_EPS, make_inputs
 
 __all__ = ["CONTENDERS", "CPU_OPS", "cpu_cases", "run_cpu_table", "cpu_table_markdown",
@@ -134,6 +136,14 @@ def _normtools_forward(op, head_dim):
                                                    backend="torch")}[op]
 
 
+def _compiled(fn):
+    """``torch.compile(fn, dynamic=False)``; every case's closure shares its code object with
+    the others of its op, so Dynamo's recompile limit is raised first (``allow_recompiles``),
+    else past the limit a case would run eagerly under the torch-compile name."""
+    allow_recompiles()
+    return torch.compile(fn, dynamic=False)
+
+
 def _as_tuple(out):
     return out if isinstance(out, tuple) else (out,)
 
@@ -165,7 +175,7 @@ def contender_calls(op, shape, dtype, contenders=CONTENDERS):
     builders = {"normtools-torch": lambda: _normtools_forward(forward, head_dim),
                 "hf-module": lambda: hf,
                 "torch-F": lambda: _torch_f_ops(head_dim)[forward],
-                "torch-compile": lambda: torch.compile(hf, dynamic=False)}
+                "torch-compile": lambda: _compiled(hf)}
     with torch.no_grad():
         outs = _as_tuple(hf(t))
     gen = torch.Generator().manual_seed(1)
@@ -208,19 +218,21 @@ def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_tota
     """Time every case of ``cases`` (default ``cpu_cases()``) for every contender, interleaved.
 
     Returns {"conditions": ..., "rows": [one per (op, shape, dtype, contender)]}; a row has
-    p50/p95/p99 in µs, the number of samples and ``ratio_to_hf`` (its p50 over hf-module's),
-    or ``status`` "error" and the reason when a contender fails (torch.compile without a C++
-    compiler, say)."""
+    p50/p95/p99 in µs, the number of samples, ``ratio_to_hf`` (its p50 over hf-module's) and
+    ``first_call_s`` (the untimed first call: torch.compile's compile), or ``status`` "error"
+    and the reason when a contender fails (torch.compile without a C++ compiler, say)."""
     torch.set_num_threads(threads)
     load_at_start = list(os.getloadavg())
     rows = []
     for op, shape, dtype in cases if cases is not None else cpu_cases():
         label = " ".join(f"{k}={v}" for k, v in shape.items())
         dtype_name = str(dtype).removeprefix("torch.")
-        calls, errors = {}, {}
+        calls, errors, first_call_s = {}, {}, {}
         for name, call in contender_calls(op, shape, dtype, contenders).items():
             try:
+                start = time.perf_counter()
                 call()
+                first_call_s[name] = time.perf_counter() - start
                 calls[name] = call
             except Exception as exc:   # recorded in the row, the others still run
                 errors[name] = f"{type(exc).__name__}: {exc}"[:300]
@@ -234,12 +246,15 @@ def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_tota
                 p50, p95, p99 = (float(v) for v in np.percentile(times[name], [50, 95, 99]))
                 row.update(status="ok", p50_us=p50, p95_us=p95, p99_us=p99,
                            samples=len(times[name]),
-                           ratio_to_hf=p50 / hf_p50 if hf_p50 else None)
+                           ratio_to_hf=p50 / hf_p50 if hf_p50 else None,
+                           first_call_s=first_call_s[name])
             rows.append(row)
         if progress:
             progress(rows[-len(contenders):])
     conditions = _conditions(threads, reps, warmup, min_total_s)
     conditions["load_average_at_start"] = load_at_start
+    conditions["torch_compile_s"] = sum(r.get("first_call_s", 0.0) for r in rows
+                                        if r["contender"] == "torch-compile")
     return {"conditions": conditions, "rows": rows}
 
 
@@ -250,7 +265,8 @@ def _conditions(threads, reps, warmup, min_total_s):
             "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY"),
             "reps": reps, "warmup": warmup, "min_total_s": min_total_s,
             "method": "contenders interleaved one call each per round, one warm input set, "
-                      "time.perf_counter_ns per call"}
+                      "time.perf_counter_ns per call; each contender's first call untimed "
+                      "(torch.compile compiles there)"}
 
 
 def missing_cells(table, cases=None, contenders=CONTENDERS):
