@@ -185,6 +185,89 @@ STUDIES = {
 }
 
 
+@dataclass(frozen=True)
+class InitProbe:
+    """A committed probe at initialization, no training: :func:`normtools.lab.probes.init_gradients`
+    of every variant (TinyLM keyword arguments over ``model``), placement, depth and seed, on one
+    validation batch of ``batch_size`` sequences (drawn with generator seed 0)."""
+
+    name: str
+    question: str
+    model: dict
+    variants: dict
+    depths: tuple
+    placements: tuple = ("post", "pre")
+    seeds: tuple = tuple(range(10))
+    batch_size: int = 8
+
+    def units(self) -> list[tuple[str, int]]:
+        """(variant, depth): the pieces written one at a time (the probe is resumable)."""
+        return [(v, d) for v in self.variants for d in self.depths]
+
+
+_XIONG_WIDTH = 256
+INIT_PROBES = {
+    "xiong_wide": InitProbe(
+        "xiong_wide",
+        "Xiong et al. 2020 at initialization, at width 256 over 10 seeds: the last layer's "
+        "‖∂L/∂W²‖ against the depth and per layer, Post-LN against Pre-LN (LayerNorm, 1/√width "
+        "init); the same with the original ReLU FFN (d_ff = 4d), Glorot init and unit-variance "
+        "embeddings.",
+        dict(width=_XIONG_WIDTH, heads=4, max_seq_len=64),
+        {"SwiGLU, 1/√d init": {"norm": "layer", "init_std": _XIONG_WIDTH ** -0.5},
+         "ReLU FFN, Glorot, unit embeddings": {"norm": "layer", "mlp": "relu",
+                                               "init_scheme": "xavier", "embed_std": 1.0}},
+        depths=(6, 12, 24, 48)),
+}
+
+
+def run_init_probe(name: str, out: str | Path | None = None) -> dict:
+    """Run init probe ``name`` of :data:`INIT_PROBES` and return its JSON document: ``probe``,
+    ``question``, ``provenance``, ``conditions``, ``complete`` and ``rows`` (one per variant,
+    placement, depth, seed and layer: ``w2_grad_norm``, ``residual_rms``, ``loss``). With
+    ``out`` it is resumable like a study: the (variant, depth) pieces already in the file are
+    kept, and the file is rewritten atomically after each new piece."""
+    from normtools.lab import probes
+
+    if name not in INIT_PROBES:
+        raise ValueError(f"unknown init probe {name!r}; expected one of {', '.join(INIT_PROBES)}")
+    probe = INIT_PROBES[name]
+    document = {
+        "study": probe.name, "question": probe.question, "provenance": provenance(),
+        "conditions": {"model": probe.model, "variants": probe.variants, "depths": list(probe.depths),
+                       "placements": list(probe.placements), "seeds": list(probe.seeds),
+                       "batch": f"{probe.batch_size} validation sequences of "
+                                f"{probe.model['max_seq_len']} bytes, generator seed 0",
+                       "corpus_sha256": CORPUS_SHA256, "machine": sysinfo.study_machine(),
+                       "torch_threads": torch.get_num_threads(), "wall_seconds": 0,
+                       "command": f"normtools lab probe {probe.name}"},
+        "complete": False, "runs": []}
+    if out is not None and Path(out).exists():
+        existing = json.loads(Path(out).read_text())
+        if existing.get("study") != name or existing["conditions"]["model"] != probe.model:
+            raise ValueError(f"{out} holds another probe: move it away or pass another --out")
+        document.update(runs=existing["runs"], provenance=existing["provenance"])
+        document["conditions"]["wall_seconds"] = existing["conditions"]["wall_seconds"]
+    data = load_corpus()
+    batch = data.get_batch("val", probe.batch_size, probe.model["max_seq_len"],
+                           torch.Generator().manual_seed(0))
+    done = {(r["variant"], r["depth"]) for r in document["runs"]}
+    for variant, depth in probe.units():
+        if (variant, depth) in done:
+            continue
+        start = time.perf_counter()
+        table = probes.init_gradients(batch, probe.placements, (depth,), probe.seeds,
+                                      **probe.model, **probe.variants[variant])
+        document["runs"] += [{"variant": variant, **{k: _round(v.item() if hasattr(v, "item") else v, 6)
+                                                     for k, v in row.items()}}
+                             for row in table.to_dict("records")]
+        document["conditions"]["wall_seconds"] += round(time.perf_counter() - start)
+        document["complete"] = len({(r["variant"], r["depth"]) for r in document["runs"]}) == len(probe.units())
+        if out is not None:
+            _write_study(document, out, force=True)
+    return document
+
+
 def provenance(root: Path | None = None) -> dict:
     """The code a run comes from: ``commit`` (``git rev-parse HEAD``), ``dirty`` (whether
     ``git status --porcelain normtools`` lists uncommitted changes to the package) and those
@@ -361,6 +444,14 @@ def load_study(path: str | Path) -> tuple[dict, "pandas.DataFrame"]:
     return study_table(json.loads(Path(path).read_text()))
 
 
+def load_init_probe(path: str | Path) -> tuple[dict, "pandas.DataFrame"]:
+    """(document, rows table) of a committed init probe (:func:`run_init_probe`)."""
+    import pandas as pd
+
+    document = json.loads(Path(path).read_text())
+    return document, pd.DataFrame(document["runs"])
+
+
 def rerun(document: dict, variant: str | None = None, lr: float | None = None,
           seed: int | None = None, data=None) -> tuple[dict, dict]:
     """Train one committed seed of one configuration of a study again (default: the study's
@@ -435,6 +526,11 @@ def add_cli(subparsers):
     run.add_argument("--out", default=None, help="output path (default book/data/studies/STUDY.json"
                                                  " for size cpu, STUDY-SIZE.json otherwise)")
     run.set_defaults(func=_run_cli)
+    probe = commands.add_parser("probe", help="run a committed probe at initialization (no training)")
+    probe.add_argument("probe", choices=sorted(INIT_PROBES))
+    probe.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    probe.add_argument("--out", default=None, help="output path (default book/data/studies/PROBE.json)")
+    probe.set_defaults(func=_probe_cli)
     listing = commands.add_parser("list", help="the studies and what each asks")
     listing.set_defaults(func=_list_cli)
     return parser
@@ -449,6 +545,15 @@ def _run_cli(args) -> int:
     state = "complete" if document["complete"] else "incomplete (rerun the command to resume)"
     print(f"{args.study}: {len(document['runs'])} of {document['conditions']['n_runs']} runs, "
           f"{document['conditions']['wall_seconds']} s of training -> {path}, {state}")
+    return 0
+
+
+def _probe_cli(args) -> int:
+    torch.set_num_threads(args.threads)
+    path = Path(args.out or _DEFAULT_DIR / f"{args.probe}.json")
+    document = run_init_probe(args.probe, out=path)
+    print(f"{args.probe}: {len(document['runs'])} rows, {document['conditions']['wall_seconds']} s -> "
+          f"{path}, {'complete' if document['complete'] else 'incomplete (rerun to resume)'}")
     return 0
 
 

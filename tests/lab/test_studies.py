@@ -8,11 +8,13 @@ naming the command that replaces it."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 from normtools import cli
-from normtools.lab import studies
-from normtools.lab.data import CORPUS_SHA256
+from normtools.lab import probes, studies
+from normtools.lab.data import CORPUS_SHA256, load_corpus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -66,3 +68,32 @@ def test_cli_writes_and_resumes_a_study(tmp_path):
     assert document["complete"] and len(document["runs"]) == len(studies.STUDIES["precision"].variants)
     _, table = studies.load_study(out)
     assert set(table["variant"]) == set(studies.STUDIES["precision"].variants)
+
+
+@pytest.mark.parametrize("name", sorted(studies.INIT_PROBES))
+def test_committed_init_probe_is_complete_and_reproduces(name):
+    """Every (variant, placement, depth, seed, layer) of the probe is in the committed file, with
+    its provenance; one seed at the smallest depth, probed again here, gives the same gradients
+    and residual RMS up to float tolerance (a reproducibility check)."""
+    path = STUDY_DIR / f"{name}.json"
+    if not path.exists():
+        pytest.xfail(f"{name}: not committed yet (run `normtools lab probe {name}`, resumable)")
+    probe = studies.INIT_PROBES[name]
+    document, rows = studies.load_init_probe(path)
+    assert document["complete"] and len(document["provenance"]["commit"]) == 40
+    assert document["conditions"]["model"] == probe.model
+    assert document["conditions"]["corpus_sha256"] == CORPUS_SHA256
+    expected = {(v, p, d, s, layer) for v in probe.variants for p in probe.placements
+                for d in probe.depths for s in probe.seeds for layer in range(d)}
+    got = set(zip(rows["variant"], rows["placement"], rows["depth"], rows["seed"], rows["layer"]))
+    assert got == expected and len(rows) == len(expected)
+    variant, depth = next(iter(probe.variants)), min(probe.depths)
+    batch = load_corpus().get_batch("val", probe.batch_size, probe.model["max_seq_len"],
+                                    torch.Generator().manual_seed(0))
+    again = probes.init_gradients(batch, probe.placements, (depth,), (0,), **probe.model,
+                                  **probe.variants[variant])
+    committed_rows = rows[(rows["variant"] == variant) & (rows["depth"] == depth) & (rows["seed"] == 0)]
+    merged = again.merge(committed_rows, on=["placement", "layer"], suffixes=("", "_committed"))
+    assert len(merged) == len(again) == 2 * depth
+    for column in ("w2_grad_norm", "residual_rms"):
+        np.testing.assert_allclose(merged[column], merged[f"{column}_committed"], rtol=1e-4)
