@@ -50,11 +50,12 @@
       } else {
         control = document.createElement("select");
         var values = {};
-        rows.forEach(function (row) { values[cellValue(row, index)] = true; });
+        // each value offered under the text its cells show (a short form, see the legend)
+        rows.forEach(function (row) { values[cellValue(row, index)] = row.cells[index].textContent.trim(); });
         [""].concat(Object.keys(values).sort()).forEach(function (v) {
           var option = document.createElement("option");
           option.value = v;
-          option.textContent = v === "" ? "any" : v;
+          option.textContent = v === "" ? "any" : values[v];
           control.appendChild(option);
         });
       }

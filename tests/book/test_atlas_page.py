@@ -31,6 +31,11 @@ def _check_table(page, committed):
     page.select_option('select[data-column="qk_norm"]', "per_layer")
     assert sorted(page.evaluate(SHOWN)) == per_layer and per_layer
     assert page.inner_text(".atlas-count") == f"{len(per_layer)} of {len(families)} families shown"
+    # the filter offers a value under the short text its cells show (the legend's)
+    label = page.inner_text('select[data-column="qk_norm"] option[value="per_layer"]')
+    shown = page.evaluate("() => [...document.querySelectorAll('tr[data-family]:not([hidden]) "
+                          "td[data-value=\"per_layer\"]')].map(c => c.textContent)")
+    assert len(shown) == len(per_layer) and set(shown) == {label}
     page.select_option('select[data-column="qk_norm"]', "")
     # QK-Norm on some layers only: the families whose card has a QK-Norm layer pattern
     some = sorted(t for t, r in families.items()
