@@ -35,9 +35,11 @@ COLUMNS = (
     ("qk_norm", "QK", "QK-Norm's scope: head (per head), layer (per layer, one norm over all heads), "
      "? (the perturbation fits neither), – (no QK-Norm)", "select", None),
     ("qk_layers", "QK layers", "all layers, or some (those the layer pattern names)", "select", None),
-    ("qk_before_rope", "QK RoPE", "QK-Norm before or after RoPE", "select", None),
-    ("qk_weight", "QK weight", "the q-norm weight's shape: d (head_dim), H·d (heads × head_dim), "
-     "none (no learned weight)", "select", None),
+    ("qk_before_rope", "QK RoPE", "QK-Norm before or after RoPE, ? where the probe could not tell",
+     "select", None),
+    ("qk_weight", "QK weight", "the q-norm weight's shape: d (head_dim), H·d (one vector of heads × "
+     "head_dim), H×d (a heads by head_dim matrix), none (no learned weight), else the shape itself",
+     "select", None),
     ("varies", "per layer", "the card fields that differ between layers (place, QK, attn: "
      "attention kind); the runs are in the family's card", "select", None),
 )
