@@ -230,8 +230,8 @@ def _rms_norm_torch(x, residual, weight, eps, offset, casting):
     Inductor so that compiled gradients are eager's bits (Inductor's fused sums of the traced
     analytic backward differ from eager's past float32 round-off: tests/core/test_compile.py).
     """
-    analytic = (records_graph(x, residual, weight) and x.dtype == torch.float32
-                and x.numel() >= ANALYTIC_BACKWARD_MIN_ELEMENTS)
+    analytic = (x.dtype == torch.float32 and x.numel() >= ANALYTIC_BACKWARD_MIN_ELEMENTS
+                and records_graph(x, residual, weight))
     if analytic and torch.compiler.is_compiling():
         y, summed, _ = _rms_norm_fwd(x, residual, weight, eps, offset, casting, "torch")
         return y, (x if residual is None else summed)

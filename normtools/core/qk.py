@@ -100,8 +100,9 @@ def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, cast
     validate.check_input(k, "k")
     if k.dtype != q.dtype:
         raise TypeError(f"k has dtype {k.dtype}, expected q's dtype {q.dtype}")
-    if k.device != q.device:
-        raise ValueError(f"k is on {k.device} but q is on {q.device}")
+    device = q.device
+    if k.device != device:
+        raise ValueError(f"k is on {k.device} but q is on {device}")
     validate.check_eps(eps)
     validate.check_offset(offset)
     validate.check_casting(casting)
@@ -119,8 +120,8 @@ def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, cast
         raise ValueError(f"the number of k heads ({hk}) must divide the number of q heads "
                          f"({hq}) and neither may be 0")
     for weight, name in ((q_weight, "q_weight"), (k_weight, "k_weight")):
-        if weight.device != q.device:
-            raise ValueError(f"{name} is on {weight.device} but q is on {q.device}")
+        if weight.device != device:
+            raise ValueError(f"{name} is on {weight.device} but q is on {device}")
         if weight.dtype not in (torch.float32, q.dtype):
             raise TypeError(f"{name} has dtype {weight.dtype}; supported are float32 or q's "
                             f"dtype ({q.dtype})")
@@ -137,12 +138,21 @@ def _rows(x2d, row_len):
 def torch_qk_norm(x, weight, eps, head_dim, headed, per_layer, offset, casting):
     """QK-Norm of one tensor x as plain PyTorch operations: ``reference.rms_norm_native`` over
     its rows, (..., H, head_dim) per head, (..., H·head_dim) per layer; the result has x's
-    shape."""
+    shape (no reshape around the norm where x's layout already is its rows)."""
+    if per_layer != headed:    # x's rows are the norm's: (..., H·head_dim) or (..., H, head_dim)
+        return rms_norm_native(x, weight, eps, offset, casting)
+    return torch_qk_norm_heads(x, weight, eps, head_dim, headed, per_layer, offset,
+                               casting).reshape(x.shape)
+
+
+def torch_qk_norm_heads(x, weight, eps, head_dim, headed, per_layer, offset, casting):
+    """``torch_qk_norm`` of x as (..., H, head_dim) heads, the layout RoPE rotates (a view of
+    the norm's result, as transformers' ``view(hidden_shape)``)."""
     if per_layer:
-        rows = x.flatten(-2) if headed else x
-    else:
-        rows = x if headed else x.unflatten(-1, (-1, head_dim))
-    return rms_norm_native(rows, weight, eps, offset, casting).reshape(x.shape)
+        normed = rms_norm_native(x.flatten(-2) if headed else x, weight, eps, offset, casting)
+        return normed.view(*normed.shape[:-1], -1, head_dim)
+    return rms_norm_native(x if headed else x.view(*x.shape[:-1], -1, head_dim), weight, eps,
+                           offset, casting)
 
 
 def torch_forward(x2d, weight, row_len, eps, offset, casting):

@@ -8,11 +8,12 @@ exactly as Qwen3, Gemma 3 and OLMo 2 compute them in transformers (their q_norm 
 computed in PyTorch's promoted dtype of that output and cos / sin, each product and the sum
 rounded (normtools.core.reference.rope_reference); with ``cast_back=True`` the result is cast
 to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``).
-``backend="torch"`` runs that reference as plain PyTorch operations (``qk.torch_qk_norm``, then
-``rope_reference``; autograd gives the backward); ``backend="triton"`` runs
-``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and ``qk_norm_rope_bwd``) behind the
-custom op ``normtools::qk_norm_rope_fwd`` (backward ``normtools::qk_norm_rope_bwd``), with fake
-implementations for ``torch.compile``, which a tensor subclass takes on either backend.
+``backend="torch"`` runs that reference as plain PyTorch operations
+(``qk.torch_qk_norm_heads``, then ``rope_reference``; autograd gives the backward);
+``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
+``qk_norm_rope_bwd``) behind the custom op ``normtools::qk_norm_rope_fwd`` (backward
+``normtools::qk_norm_rope_bwd``), with fake implementations for ``torch.compile``, which a
+tensor subclass takes on either backend.
 
 cos and sin are the rotary tables of the tokens, ``(..., head_dim)`` with the leading (token)
 dimensions of q, or broadcastable to them (e.g. (1, S, D) for a batch); they get no gradient
@@ -26,7 +27,7 @@ import triton.language as tl
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend
 from normtools.core.ops import runs_torch_math
-from normtools.core.qk import (row_lens, torch_backward, torch_forward, torch_qk_norm,
+from normtools.core.qk import (row_lens, torch_backward, torch_forward, torch_qk_norm_heads,
                                weight_grad_from_partials, check_qk_inputs)
 from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
@@ -55,6 +56,8 @@ def _check_rope_tables(cos, sin, q, head_dim, token_shape):
             raise ValueError(f"{name} has shape {tuple(table.shape)}; its last dimension must be "
                              f"head_dim={head_dim} (the whole head is rotated)")
         lead = table.shape[:-1]
+        if lead == token_shape:    # one row per token: nothing to broadcast
+            continue
         pairs = list(zip(reversed(lead), reversed(token_shape)))   # aligned from the right
         if any(a != b and a != 1 and b != 1 for a, b in pairs):
             raise ValueError(f"{name} has shape {tuple(table.shape)}; its leading dimensions "
@@ -85,14 +88,16 @@ def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset
     return (rotated.to(normed.dtype) if cast_back else rotated), rstd
 
 
-def _torch_qk_norm_rope_one(x, weight, cos, sin, eps, head_dim, headed, per_layer, offset,
-                            casting, cast_back):
-    """RoPE(QK-Norm(x)) of one tensor as plain PyTorch operations: the (..., D) tables broadcast
-    over the heads; the result has x's shape."""
-    normed = torch_qk_norm(x, weight, eps, head_dim, headed, per_layer, offset, casting)
-    heads = normed if headed else normed.unflatten(-1, (-1, head_dim))
-    rotated = rope_reference(heads, cos.unsqueeze(-2), sin.unsqueeze(-2)).reshape(x.shape)
-    return rotated.to(normed.dtype) if cast_back else rotated
+def _torch_qk_norm_rope_one(x, weight, cos_heads, sin_heads, eps, head_dim, headed, per_layer,
+                            offset, casting, cast_back):
+    """RoPE(QK-Norm(x)) of one tensor as plain PyTorch operations, on the norm's result viewed
+    as (..., H, head_dim) heads; ``cos_heads`` / ``sin_heads``: the (..., 1, D) tables that
+    broadcast over the heads (made once for q and k, as transformers' ``unsqueeze``). The
+    result has x's shape."""
+    heads = torch_qk_norm_heads(x, weight, eps, head_dim, headed, per_layer, offset, casting)
+    rotated = rope_reference(heads, cos_heads, sin_heads)
+    rotated = rotated.to(heads.dtype) if cast_back else rotated
+    return rotated if headed else rotated.reshape(x.shape)
 
 
 def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_dim, offset):
@@ -313,10 +318,11 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scop
     token_shape = q.shape[:-2] if headed else q.shape[:-1]
     _check_rope_tables(cos, sin, q, head_dim, token_shape)
     if runs_torch_math(q, backend):
+        tables = (cos.unsqueeze(-2), sin.unsqueeze(-2))
         args = (float(eps), head_dim, headed, scope == "per_layer", float(offset), casting,
                 bool(cast_back))
-        return (_torch_qk_norm_rope_one(q, q_weight, cos, sin, *args),
-                _torch_qk_norm_rope_one(k, k_weight, cos, sin, *args))
+        return (_torch_qk_norm_rope_one(q, q_weight, *tables, *args),
+                _torch_qk_norm_rope_one(k, k_weight, *tables, *args))
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     cos2d = as_rows(cos.expand(*token_shape, head_dim))

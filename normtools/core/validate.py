@@ -62,6 +62,8 @@ def check_param(param, x, name):
 def _is_real(value):
     """A Python real number (not a bool), or the symbolic float / int that torch.compile passes
     for one once it has seen two different values."""
+    if type(value) in (float, int):   # the usual case, without the ABC check below
+        return True
     if isinstance(value, (torch.SymFloat, torch.SymInt)):
         return True
     return not isinstance(value, bool) and isinstance(value, numbers.Real)
