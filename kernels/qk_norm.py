@@ -33,11 +33,7 @@ weight row once; a backward program accumulates dy * x_hat in registers and stor
 float32 partial dw row DW_PARTIAL[p] once, so the partials cost one row per program, not one
 per token block (per_layer: not one row of H * head_dim floats per token). kernels/partials.py
 sums them in a fixed order: deterministic without atomics. The q programs come first and the
-k programs after them: one launch covers both tensors, forward and backward. PAIRED (one head
-slot per token in each tensor: per_layer, or one head each): program p normalizes both the q
-and the k row of its tokens, so every program has the same work (q and k programs of the same
-tokens would differ by Hq / Hk: 4x with 32 q and 8 k heads, and the k programs' SMs would idle
-for most of the launch); its partial rows are DQW_PARTIAL[p] and DKW_PARTIAL[p].
+k programs after them: one launch covers both tensors, forward and backward.
 
 Addressing. Element (token t, head slot h, column j) is at  t * stride_t + h * N + j,  its
 weight at  h * w_head_stride + j  (w_head_stride = 0 when all heads share one weight row, N for
@@ -63,25 +59,16 @@ def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
                 stride_q, stride_k, stride_qy, stride_ky, qw_head_stride, kw_head_stride,
                 eps, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                PAIRED: tl.constexpr = False):
+                BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, ROUND_XHAT: tl.constexpr):
     """Forward of q and k. Grid: (q_heads + k_heads) * groups persistent programs, q first,
     each over ``tokens_per_program`` tokens (a multiple of BLOCK_M) of one head slot; q_heads /
     k_heads are the head slots per token (H_rows), n_q_programs = q_heads * groups.
 
     Writes QY, KY (contiguous outputs) and the float32 inverse RMS Q_RSTD, K_RSTD laid out as
-    (H_rows, n_tokens), which the backward reuses. PAIRED: groups programs, each over the q
-    and the k rows of its tokens (n_q_programs unused).
+    (H_rows, n_tokens), which the backward reuses.
     """
     pid = tl.program_id(0)
-    if PAIRED:
-        _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, tokens_per_program, q_heads,
-                        stride_q, stride_qy, qw_head_stride, eps, offset, NQ, BLOCK_M, BLOCK_NQ,
-                        ROUND_XHAT)
-        _forward_tensor(K, KW, KY, K_RSTD, pid, n_tokens, tokens_per_program, k_heads,
-                        stride_k, stride_ky, kw_head_stride, eps, offset, NK, BLOCK_M, BLOCK_NK,
-                        ROUND_XHAT)
-    elif pid < n_q_programs:
+    if pid < n_q_programs:
         _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, tokens_per_program, q_heads,
                         stride_q, stride_qy, qw_head_stride, eps, offset, NQ, BLOCK_M, BLOCK_NQ,
                         ROUND_XHAT)
@@ -97,21 +84,13 @@ def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW
                 stride_q, stride_k, stride_dqy, stride_dky, stride_dq, stride_dk,
                 qw_head_stride, kw_head_stride, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, PAIRED: tl.constexpr = False):
+                BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr):
     """Backward of q and k. Grid: (q_heads + k_heads) * groups persistent programs, q first,
     each over ``tokens_per_program`` tokens (a multiple of BLOCK_M) of one head slot;
     DQW_PARTIAL has one float32 row of length NQ per q program (DKW_PARTIAL likewise for k),
-    summed by the launcher into the weight grads. PAIRED: groups programs, each over the q and
-    the k rows of its tokens."""
+    summed by the launcher into the weight grads."""
     pid = tl.program_id(0)
-    if PAIRED:
-        _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, tokens_per_program,
-                         q_heads, stride_q, stride_dqy, stride_dq, qw_head_stride, offset,
-                         NQ, BLOCK_M, BLOCK_NQ)
-        _backward_tensor(K, KW, DKY, DK, K_RSTD, DKW_PARTIAL, pid, n_tokens, tokens_per_program,
-                         k_heads, stride_k, stride_dky, stride_dk, kw_head_stride, offset,
-                         NK, BLOCK_M, BLOCK_NK)
-    elif pid < n_q_programs:
+    if pid < n_q_programs:
         _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens, tokens_per_program,
                          q_heads, stride_q, stride_dqy, stride_dq, qw_head_stride, offset,
                          NQ, BLOCK_M, BLOCK_NQ)

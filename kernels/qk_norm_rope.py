@@ -49,10 +49,7 @@ one program covers across the tokens: per_head, BLOCK_H consecutive heads (H / B
 per tensor); per_layer, the whole row (one slot, its heads in GROUPS = H / BLOCK_H tiles).
 The grid is persistent: program p of a tensor handles slot p % n_slots for the tokens
 [(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M at a time; the q programs
-come first, then the k programs. PAIRED (one slot per tensor: per_layer, or every head of q
-and of k in one tile): program p works on both q's and k's slot of its tokens, so every
-program has the same work (separate q and k programs of the same tokens would differ by
-Hq / Hk, and the k programs' SMs would idle for most of the launch).
+come first, then the k programs.
 
 Traffic. When a slot is one tile (per_head always; per_layer while H · D fits one tile, which
 the launch plan decides) its weights are read once per program and every token's x, cos and
@@ -93,23 +90,13 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      ROUND_XHAT: tl.constexpr, Q_NORM_DTYPE: tl.constexpr,
                      K_NORM_DTYPE: tl.constexpr, Q_ROPE_DTYPE: tl.constexpr,
-                     K_ROPE_DTYPE: tl.constexpr, PAIRED: tl.constexpr = False):
+                     K_ROPE_DTYPE: tl.constexpr):
     """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first; q_slots /
     k_slots slots per tensor (see the module docstring). Writes QO, KO and the float32
     inverse RMS Q_RSTD, K_RSTD laid out (H_rows, n_tokens): H_rows = H per head, 1 per
-    layer. PAIRED: each program works on q's and k's slot of its tokens (n_q_programs
-    unused)."""
+    layer."""
     pid = tl.program_id(0)
-    if PAIRED:
-        _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, tokens_per_program, q_slots,
-                        stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
-                        offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF,
-                        ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
-        _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid, n_tokens, tokens_per_program, k_slots,
-                        stride_k, stride_ko, stride_cos, stride_sin, kw_head_stride, eps,
-                        offset, HEAD_DIM, K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF,
-                        ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE)
-    elif pid < n_q_programs:
+    if pid < n_q_programs:
         _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, tokens_per_program, q_slots,
                         stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
                         offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF,
@@ -129,22 +116,12 @@ def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
                      stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
                      PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                     PAIRED: tl.constexpr = False):
+                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """Backward of q and k. Same grid as the forward; DQW_PARTIAL / DKW_PARTIAL receive the
     float32 partial weight gradients (layout in the module docstring), summed by the
-    launcher. PAIRED: each program works on q's and k's slot of its tokens."""
+    launcher."""
     pid = tl.program_id(0)
-    if PAIRED:
-        _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
-                         tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
-                         stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,
-                         PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF)
-        _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid, n_tokens,
-                         tokens_per_program, k_slots, stride_k, stride_dko, stride_dk,
-                         stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM, K_HEADS,
-                         PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF)
-    elif pid < n_q_programs:
+    if pid < n_q_programs:
         _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
                          tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
                          stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,

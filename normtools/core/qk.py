@@ -179,19 +179,10 @@ def torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
 
 def launch_shape(kernel, n_tokens, nq, nk, slots, dtype, device):
     """(launch plan, BLOCK_NQ, BLOCK_NK) of the q/k launch of ``kernel`` ("qk_norm_fwd" /
-    "qk_norm_bwd") over ``slots`` = Hq + Hk head slots, from the plan of the longer row; with
-    one head slot per tensor (slots = 2) the launch is paired (``paired``): one slot of
-    programs, each over the q and the k row of its tokens."""
-    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device, 1 if paired(slots) else slots)
+    "qk_norm_bwd") over ``slots`` = Hq + Hk head slots, from the plan of the longer row."""
+    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device, slots)
     return (plan, min(triton.next_power_of_2(nq), plan.block_n),
             min(triton.next_power_of_2(nk), plan.block_n))
-
-
-def paired(slots):
-    """True when q and k have one head slot each (per_layer, or one head each): then each
-    program of kernels/qk_norm.py normalizes the q and the k row of its tokens (PAIRED), so
-    the programs have equal work."""
-    return slots == 2
 
 
 def _head_stride(weight, row_len):
@@ -216,20 +207,13 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     kernel_for(_k.qk_norm_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
         n_tokens=n_tokens, tokens_per_program=plan.rows_per_program, q_heads=hq, k_heads=hk,
-        n_q_programs=_groups(plan, hq + hk) * hq,
+        n_q_programs=plan.programs // (hq + hk) * hq,
         stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_qy=qy.stride(0),
         stride_ky=ky.stride(0), qw_head_stride=_head_stride(q_weight, nq),
         kw_head_stride=_head_stride(k_weight, nk), eps=eps, offset=offset,
         NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
-        ROUND_XHAT=casting == "llama", PAIRED=paired(hq + hk), num_warps=plan.num_warps,
-        num_ctas=plan.num_ctas)
+        ROUND_XHAT=casting == "llama", num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return qy, ky, q_rstd, k_rstd
-
-
-def _groups(plan, slots):
-    """Programs per head slot of a launch over ``slots`` head slots (all of them when
-    paired)."""
-    return plan.programs // (1 if paired(slots) else slots)
 
 
 def weight_grad_from_partials(partial, heads, weight):
@@ -253,7 +237,7 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     # persistent grid: the token blocks of each head slot are shared by `groups` programs
     plan, block_nq, block_nk = launch_shape("qk_norm_bwd", n_tokens, nq, nk, hq + hk,
                                             q2d.dtype, device)
-    groups = _groups(plan, hq + hk) if n_tokens > 0 else 0
+    groups = plan.programs // (hq + hk) if n_tokens > 0 else 0
     dqw_partial = torch.empty(hq * groups, nq, device=device, dtype=torch.float32)
     dkw_partial = torch.empty(hk * groups, nk, device=device, dtype=torch.float32)
     if n_tokens > 0:
@@ -266,7 +250,7 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
             stride_dky=dky.stride(0), stride_dq=dq.stride(0), stride_dk=dk.stride(0),
             qw_head_stride=_head_stride(q_weight, nq), kw_head_stride=_head_stride(k_weight, nk),
             offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
-            PAIRED=paired(hq + hk), num_warps=plan.num_warps, num_ctas=plan.num_ctas)
+            num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
             weight_grad_from_partials(dkw_partial, hk, k_weight))
 

@@ -112,9 +112,7 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     """(plan, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, q_slots, k_slots) of a launch of ``kernel``
     ("qk_norm_rope_fwd" / "qk_norm_rope_bwd"): the launch plan for q's row of one token
     (Hq heads of 2 · BLOCK_HALF columns), its tile of BLOCK_N columns cut into whole heads;
-    per_head a slot is one tile of heads, per_layer the whole row. With one slot per tensor
-    the launch is paired (``paired``): one slot of programs, each over q's and k's slot of its
-    tokens."""
+    per_head a slot is one tile of heads, per_layer the whole row."""
     block_half = triton.next_power_of_2(head_dim // 2)
     row = hq * 2 * block_half
     block_n = plan_for(kernel, dtype, n_tokens, row, device).block_n
@@ -122,20 +120,8 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     block_hk = min(block_hq, triton.next_power_of_2(hk))
     q_slots, k_slots = ((1, 1) if per_layer else
                         (triton.cdiv(hq, block_hq), triton.cdiv(hk, block_hk)))
-    plan = plan_for(kernel, dtype, n_tokens, row, device,
-                    slots=1 if paired(q_slots, k_slots) else q_slots + k_slots)
+    plan = plan_for(kernel, dtype, n_tokens, row, device, slots=q_slots + k_slots)
     return plan, block_hq, block_hk, block_half, q_slots, k_slots
-
-
-def paired(q_slots, k_slots):
-    """True when q and k are one slot each: then each program of kernels/qk_norm_rope.py works
-    on both slots of its tokens (PAIRED), so the programs have equal work."""
-    return q_slots == 1 and k_slots == 1
-
-
-def _groups(plan, q_slots, k_slots):
-    """Programs per slot of a launch (all of them when paired)."""
-    return plan.programs // (1 if paired(q_slots, k_slots) else q_slots + k_slots)
 
 
 def _weight_head_stride(weight, head_dim, per_layer):
@@ -165,7 +151,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
         q_rstd, k_rstd, n_tokens=n_tokens, tokens_per_program=plan.rows_per_program,
         q_slots=q_slots, k_slots=k_slots,
-        n_q_programs=_groups(plan, q_slots, k_slots) * q_slots,
+        n_q_programs=plan.programs // (q_slots + k_slots) * q_slots,
         stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_qo=qo.stride(0),
         stride_ko=ko.stride(0), stride_cos=cos2d.stride(0), stride_sin=sin2d.stride(0),
         qw_head_stride=_weight_head_stride(q_weight, head_dim, per_layer),
@@ -175,7 +161,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
         BLOCK_HK=block_hk, BLOCK_HALF=block_half, ROUND_XHAT=casting == "llama",
         Q_NORM_DTYPE=_TL_DTYPES[q_norm_dtype], K_NORM_DTYPE=_TL_DTYPES[k_norm_dtype],
         Q_ROPE_DTYPE=_TL_DTYPES[q_rope_dtype], K_ROPE_DTYPE=_TL_DTYPES[k_rope_dtype],
-        PAIRED=paired(q_slots, k_slots), num_warps=plan.num_warps)
+        num_warps=plan.num_warps)
     return qo, ko, q_rstd, k_rstd
 
 
@@ -203,7 +189,7 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
     plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
         "qk_norm_rope_bwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
-    groups = _groups(plan, q_slots, k_slots) if n_tokens > 0 else 0
+    groups = plan.programs // (q_slots + k_slots) if n_tokens > 0 else 0
     dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_slots * groups, groups,
                                   device)
     dkw_partial = _partial_buffer(k_weight, hk, head_dim, per_layer, k_slots * groups, groups,
@@ -221,8 +207,7 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
             kw_head_stride=_weight_head_stride(k_weight, head_dim, per_layer), offset=offset,
             HEAD_DIM=head_dim, Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, BLOCK_M=plan.block_m,
             BLOCK_HQ=block_hq,
-            BLOCK_HK=block_hk, BLOCK_HALF=block_half, PAIRED=paired(q_slots, k_slots),
-            num_warps=plan.num_warps)
+            BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=plan.num_warps)
     return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
             weight_grad_from_partials(dkw_partial, hk, k_weight))
 

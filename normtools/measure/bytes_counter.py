@@ -42,7 +42,6 @@ import torch
 import triton.runtime.interpreter as triton_interpreter
 
 from normtools.core import launch_hooks, launch_plans
-from normtools.core.qk import paired as qk_paired
 from normtools.core.rope import launch_shape as rope_launch_shape
 from normtools.measure.bench.shapes import rows_and_length
 from normtools.measure.bench.minimum_bytes import bytes_moved
@@ -197,8 +196,8 @@ def _simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,
     elif op.startswith("qk_norm"):
         m, n = rows_and_length(op, shape)
         slots = shape["Hq"] + shape["Hk"] if "per_head" in op else 2
-        plan = launch_plans.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count,
-                                        1 if qk_paired(slots) else slots, capability)
+        plan = launch_plans.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
+                                   capability)
         sim = dict(shape, T=min(m, _SIMULATED_PROGRAMS * plan.rows_per_program))
     else:
         kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"

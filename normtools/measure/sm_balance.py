@@ -12,8 +12,7 @@ on the launch plan of a GPU (``GPUS``: an H200's, an A100's):
                   rows of its token range that exist (rows_per_program, fewer in the last
                   group, none past the end) times the heads of one row (1 for a row op and a
                   per-head QK slot, Hq or Hk for a per-layer q or k row, the heads of its tile
-                  for a fused QK-Norm + RoPE slot; Hq + Hk for a paired launch, whose
-                  programs work on the q and the k slot of their tokens)
+                  for a fused QK-Norm + RoPE slot)
     resident      CTAs of the kernel one SM holds at once (``resident_ctas``)
     waves         ceil(programs / (cluster_slots × resident)), cluster_slots = SMs // ctas
     sm_efficiency Σ_p work_p / (SMs × T),  T = max over SMs of the SM's time
@@ -104,7 +103,6 @@ def program_work(kernel, op, shape, dtype, gpu):
                                                for s in range(q_slots)]
             k_heads = [hk] if per_layer else [min(block_hk, hk - s * block_hk)
                                                for s in range(k_slots)]
-            paired = rope_launcher.paired(q_slots, k_slots)
         elif kernel.startswith("qk_norm"):
             t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
             if "per_layer" in op:
@@ -113,14 +111,11 @@ def program_work(kernel, op, shape, dtype, gpu):
                 nq, nk, q_heads, k_heads = d, d, [1] * hq, [1] * hk
             plan = qk_launcher.launch_shape(kernel, t, nq, nk, len(q_heads) + len(k_heads),
                                             dtype, "cpu")[0]
-            paired = qk_launcher.paired(len(q_heads) + len(k_heads))
         else:
             t, n = shape["M"], shape["N"]
             plan = launch_plans.launch_plan(kernel, dtype, t, n, "cuda", gpu.sm_count,
                                             capability=gpu.capability)
-            q_heads, k_heads, paired = [1], [], False
-    if paired:      # each program works on the q and the k slot of its tokens
-        q_heads, k_heads = [q_heads[0] + k_heads[0]], []
+            q_heads, k_heads = [1], []
     groups = plan.programs // (len(q_heads) + len(k_heads))
     work = []
     for slot_heads in (q_heads, k_heads):

@@ -60,9 +60,6 @@ def _recorded_work(launch, head_dim):
         # head slot p % heads; a per-layer row (one slot) holds N / head_dim heads
         heads = [[n // head_dim] * slots for slots, n in ((kw["q_heads"], kw["NQ"]),
                                                           (kw["k_heads"], kw["NK"]))]
-    if kw.get("PAIRED"):
-        # one slot per tensor; program p works on the q and the k slot of token group p
-        return [token_rows(p) * (heads[0][0] + heads[1][0]) for p in range(programs)]
     work = []
     for p in range(programs):
         slot_heads, index = (heads[0], p) if p < n_q else (heads[1], p - n_q)
@@ -74,7 +71,7 @@ def _recorded_work(launch, head_dim):
     ("rms_norm", {"M": 8192, "N": 8192}),                            # a real prefill shape
     ("rms_norm", {"M": 1024, "N": 65536}),                           # clusters of 4
     ("qk_norm_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),  # 40 head slots
-    ("qk_norm_per_layer", {"T": 8192, "Hq": 48, "Hk": 8, "D": 128}),  # paired q and k
+    ("qk_norm_per_layer", {"T": 8192, "Hq": 48, "Hk": 8, "D": 128}),  # q rows 6x k rows
     ("qk_norm_rope_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),
     ("qk_norm_rope_per_head_fwd_bwd", {"T": 1472, "Hq": 64, "Hk": 8, "D": 256}),  # 3 slots
 ])
