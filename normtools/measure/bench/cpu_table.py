@@ -23,8 +23,15 @@ the gradients of ⟨outputs, dy⟩ to every input and weight). The contenders of
 interleaved, one call each per round, on one input set (warm caches), so that a machine shared
 with other work slows them alike; the ratio of each p50 to hf-module's p50 is the result.
 Run conditions (threads, torch version, the machine's load) are recorded with the rows.
+
+On glibc the run first keeps freed blocks of up to ``HELD_BLOCK_BYTES`` in the heap
+(:func:`hold_freed_memory`): otherwise a block of a few MiB is unmapped when freed and the next
+allocation pays the page faults of fresh pages, a cost that lands on whichever contender
+allocates next (at 256 × 4096, the same composition of ops timed twice in one round differed
+by up to 2×, and whole cells by 2.7×, from run to run).
 """
 
+import ctypes
 import os
 import time
 from functools import partial
@@ -213,6 +220,26 @@ def time_interleaved(calls, reps, warmup=3, min_total_s=None):
     return times
 
 
+#: glibc's mmap and trim thresholds during a CPU table: 32 MiB, glibc's largest mmap threshold
+#: on 64-bit (a 256 × 4096 float32 row block is 4 MiB).
+HELD_BLOCK_BYTES = 32 << 20
+
+
+def hold_freed_memory(nbytes: int = HELD_BLOCK_BYTES) -> dict | None:
+    """Make glibc keep freed blocks of up to ``nbytes`` in the heap instead of unmapping them
+    (``mallopt(M_MMAP_THRESHOLD)`` and ``mallopt(M_TRIM_THRESHOLD)``), so that every contender
+    reuses warm pages. Returns the settings made, or None where there is no glibc or it refuses
+    them (they stay in force for the rest of the process)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
+    m_trim_threshold, m_mmap_threshold = -1, -3              # glibc's malloc.h
+    if libc.mallopt(m_mmap_threshold, nbytes) != 1 or libc.mallopt(m_trim_threshold, nbytes) != 1:
+        return None
+    return {"M_MMAP_THRESHOLD": nbytes, "M_TRIM_THRESHOLD": nbytes}
+
+
 def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_total_s=0.5,
                   threads=1, progress=None):
     """Time every case of ``cases`` (default ``cpu_cases()``) for every contender, interleaved.
@@ -222,6 +249,7 @@ def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_tota
     ``first_call_s`` (the untimed first call: torch.compile's compile), or ``status`` "error"
     and the reason when a contender fails (torch.compile without a C++ compiler, say)."""
     torch.set_num_threads(threads)
+    allocator = hold_freed_memory()
     load_at_start = list(os.getloadavg())
     rows = []
     for op, shape, dtype in cases if cases is not None else cpu_cases():
@@ -253,6 +281,7 @@ def run_cpu_table(cases=None, contenders=CONTENDERS, reps=50, warmup=3, min_tota
             progress(rows[-len(contenders):])
     conditions = _conditions(threads, reps, warmup, min_total_s)
     conditions["load_average_at_start"] = load_at_start
+    conditions["malloc"] = allocator or "system default (no glibc mallopt)"
     conditions["torch_compile_s"] = sum(r.get("first_call_s", 0.0) for r in rows
                                         if r["contender"] == "torch-compile")
     return {"conditions": conditions, "rows": rows}
