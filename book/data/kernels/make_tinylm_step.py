@@ -7,7 +7,7 @@ default a12648d, the last commit before 9c9c7d0; ``--after``, default HEAD); a c
 round and version imports normtools from that worktree, builds the lab's "cpu" TinyLM
 (normtools.lab.grid.STABILITY_SIZES) in four configurations and times ``--steps`` AdamW
 training steps each (forward, backward, optimizer step; the first five untimed). Run from the
-repository root (about two minutes on a free core):
+repository root (about five minutes on a free core):
 
     PYTHONHASHSEED=0 OMP_WAIT_POLICY=PASSIVE .venv/bin/python book/data/kernels/make_tinylm_step.py
 """
@@ -67,8 +67,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", default="a12648d")
     parser.add_argument("--after", default="HEAD")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--out", default=str(Path(__file__).with_name("tinylm_step.json")))
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
