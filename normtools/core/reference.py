@@ -96,12 +96,6 @@ def rms_norm_apply(x, rstd, weight=None, offset=0.0, casting="llama"):
     return (hidden * scale).to(out_dtype)
 
 
-def cast(x, dtype):
-    """``x.to(dtype)``, without the call where x already has that dtype (the result is x either
-    way; the call alone costs microseconds on small CPU tensors)."""
-    return x if x.dtype == dtype else x.to(dtype)
-
-
 def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
     """``rms_norm_reference`` computed with torch's RMSNorm op ``F.rms_norm``, bit for bit.
 
@@ -131,7 +125,7 @@ def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
     if x.dtype == torch.float32 and weight.dim() == 1:
         return F.rms_norm(x, n, scale, eps)
     out_dtype = rms_norm_output_dtype(x.dtype, weight.dtype, casting)
-    return cast(scale * F.rms_norm(x, n, None, eps), out_dtype)
+    return (scale * F.rms_norm(x, n, None, eps)).to(out_dtype)
 
 
 def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
@@ -179,22 +173,22 @@ def layer_norm_reference(x, weight=None, bias=None, eps=1e-5):
     y = ((x − mean) · rstd · w + b).to(x.dtype), mean and rstd from ``layer_norm_statistics``;
     w = 1 and b = 0 when absent. (x − mean) is computed once, for the variance and for y.
     """
-    centered, _, rstd = _centered_statistics(cast(x, torch.float32), eps)
-    return cast(_scale_and_shift(centered * rstd, weight, bias), x.dtype)
+    centered, _, rstd = _centered_statistics(x.to(torch.float32), eps)
+    return _scale_and_shift(centered * rstd, weight, bias).to(x.dtype)
 
 
 def layer_norm_apply(x, mean, rstd, weight=None, bias=None):
     """The last step of ``layer_norm_reference`` for given float32 statistics ``mean`` and
     ``rstd`` (``(..., 1)``): y = ((x.float() − mean) · rstd · w + b).to(x.dtype)."""
-    return cast(_scale_and_shift((cast(x, torch.float32) - mean) * rstd, weight, bias), x.dtype)
+    return _scale_and_shift((x.to(torch.float32) - mean) * rstd, weight, bias).to(x.dtype)
 
 
 def _scale_and_shift(x_hat, weight, bias):
     """x̂ · w + b in float32 (w = 1, b = 0 when absent)."""
     if weight is not None:
-        x_hat = x_hat * cast(weight, torch.float32)
+        x_hat = x_hat * weight.to(torch.float32)
     if bias is not None:
-        x_hat = x_hat + cast(bias, torch.float32)
+        x_hat = x_hat + bias.to(torch.float32)
     return x_hat
 
 
