@@ -290,10 +290,13 @@ def _round(v, digits: int = 4):
     return v
 
 
-def _run_record(study: Study, cell: dict, data, settings: dict, device="cpu") -> dict:
+def _run_record(study: Study, cell: dict, data, settings: dict, commit: str | None,
+                device="cpu") -> dict:
     """Train one ``cell`` of ``study`` (with its ``variant`` label) at ``settings``
     (:meth:`Study.settings`) on the torch backend, evaluated on the whole validation split in
-    float32, and return its JSON record (with the run's ``commit`` and ``seconds``)."""
+    float32, and return its JSON record with ``commit`` (the code the process imported, taken
+    when it started: a commit made while a long study runs is not the runs' code) and
+    ``seconds``."""
     base_config = TinyLMConfig(**{**settings["model"], "backend": STUDY_BACKEND})
     label = cell["variant"]
     run_cell = {k: v for k, v in cell.items() if k != "variant"}
@@ -310,7 +313,7 @@ def _run_record(study: Study, cell: dict, data, settings: dict, device="cpu") ->
         "layers": {metric: [_round(float(last[f"{metric}_{i}"])) for i in range(depth)]
                    for metric in ("grad_norm", "act_rms", "logit_max")},
         "curves": {c: [_round(float(v)) for v in run.records[c]] for c in _CURVES},
-        "commit": provenance()["commit"],
+        "commit": commit,
         "seconds": round(time.perf_counter() - start, 1),
     }
 
@@ -390,13 +393,14 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
         document["runs"] = [r for r in existing["runs"]]
         document["conditions"]["wall_seconds"] = existing["conditions"].get("wall_seconds", 0)
         document["provenance"] = existing.get("provenance", document["provenance"])
+    commit = provenance()["commit"]
     done = {_run_key(r) for r in document["runs"]}
     todo = [c for c in study.cells(size, size_settings) if _run_key(c) not in done]
     data = load_corpus()
     for i, cell in enumerate(todo):
         if max_runs is not None and i >= max_runs:
             break
-        record = _run_record(study, cell, data, settings, device)
+        record = _run_record(study, cell, data, settings, commit, device)
         document["runs"].append(record)
         document["conditions"]["wall_seconds"] += round(record["seconds"])
         seconds = [r["seconds"] for r in document["runs"] if "seconds" in r]
@@ -463,7 +467,7 @@ def rerun(document: dict, variant: str | None = None, lr: float | None = None,
     cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
             "variant": chosen["variant"]}
     settings = study.settings(document["size"])
-    return chosen, _run_record(study, cell, data or load_corpus(), settings)
+    return chosen, _run_record(study, cell, data or load_corpus(), settings, provenance()["commit"])
 
 
 def compare_rerun(document: dict, chosen: dict, record: dict,

@@ -207,3 +207,14 @@ def test_a_top_of_the_sweep_control_follows_each_size_s_grid(size):
     assert all(lrs == set(grid_lrs) for lrs in lrs_of.values())
     document = studies.new_document("lr_sweep", size)
     assert document["conditions"]["variant_lrs"] == {"no QK-Norm, no clip": grid_lrs[-2:]}
+
+
+def test_runs_carry_the_commit_their_process_started_at(tmp_path, monkeypatch):
+    """A commit made while a long study trains is not the code its runs imported."""
+    monkeypatch.setitem(studies.STUDIES, "mini", _mini_study())
+    commits = iter(f"{i:040d}" for i in range(100))
+    monkeypatch.setattr(studies, "provenance",
+                        lambda root=None: {"commit": next(commits), "dirty": False, "dirty_paths": []})
+    document = studies.run_study("mini", "test", out=tmp_path / "mini.json")
+    started = {run["commit"] for run in document["runs"]}
+    assert started == {f"{1:040d}"}  # new_document took the first, run_study the second
