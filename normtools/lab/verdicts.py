@@ -154,15 +154,18 @@ def outcome_counts(table, unigram_loss: float, stall_margin: float = 0.05,
     return counts.reindex(columns=list(OUTCOMES), fill_value=0)
 
 
-def paired_verdict(table, metric: str, arm: str, baseline: str, column: str = "design",
-                   unit: str = "", fmt: str = "{:+.3g}", log: bool = False,
+def paired_verdict(table, metric: str, arm: str | dict, baseline: str | dict,
+                   column: str = "design", unit: str = "", fmt: str = "{:+.3g}", log: bool = False,
                    thresholds: dict | None = None, numbers: bool = True) -> str:
     """:func:`verdict_text` of :func:`compare_paired` for the rows of ``table`` whose
     ``column`` is ``arm`` against those whose ``column`` is ``baseline``, paired by seed
     (:func:`paired_by_seed`); the table holds one configuration (e.g. one learning rate).
-    ``numbers=False``: the verdict, n and the sign test's p only (for runs trained live, whose
-    last digits move from machine to machine)."""
-    a, b = paired_by_seed(table, metric, {column: baseline}, {column: arm})
+    ``arm`` and ``baseline`` may instead be dicts of column values (e.g. ``{"design":
+    "Post-LN", "lr": 0.01}``), to compare two configurations: each design at its own learning
+    rate. ``numbers=False``: the verdict, n and the sign test's p only (for runs trained live,
+    whose last digits move from machine to machine)."""
+    a, b = paired_by_seed(table, metric, *(side if isinstance(side, dict) else {column: side}
+                                           for side in (baseline, arm)))
     result = compare_paired(a, b, log=log, thresholds=thresholds)
     if not numbers:
         return f"{result['verdict']} (n = {result['n']}, sign test p = {result['p_sign']:.2g})"

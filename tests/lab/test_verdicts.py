@@ -99,3 +99,18 @@ def test_paired_verdict_reads_a_design_table():
     assert verdicts.paired_verdict(table.iloc[[0, 1, 8, 9]], "loss", "B", "A").startswith("not shown")
     assert verdicts.paired_verdict(table, "loss", "B", "A", numbers=False) == \
         f"lower (n = 8, sign test p = {2 / 2 ** 8:.2g})"
+
+
+def test_paired_verdict_compares_two_configurations_given_as_column_values():
+    # B at lr 0.1 against A at lr 0.01 (each at its own rate): lower in all 6 seeds by 0.5 + s/100
+    seeds = list(range(6))
+    rows = [("A", 0.01, s, 3.0 + 0.01 * s) for s in seeds] + [("A", 0.1, s, 9.0) for s in seeds]
+    rows += [("B", 0.1, s, 2.5) for s in seeds] + [("B", 0.01, s, 4.0) for s in seeds]
+    table = pd.DataFrame(rows, columns=["design", "lr", "seed", "loss"])
+    text = verdicts.paired_verdict(table, "loss", {"design": "B", "lr": 0.1},
+                                   {"design": "A", "lr": 0.01}, unit="nats", fmt="{:+.3f}")
+    effect = np.mean([2.5 - (3.0 + 0.01 * s) for s in seeds])
+    assert text.startswith(f"lower: {effect:+.3f} [") and f"p = {2 / 2 ** 6:.2g}" in text
+    # the same designs at one rate (B's 0.01) read the other way
+    assert verdicts.paired_verdict(table, "loss", {"design": "B", "lr": 0.01},
+                                   {"design": "A", "lr": 0.01}).startswith("higher")
