@@ -142,7 +142,8 @@ def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
     dy32 = dy.to(torch.float32)
     x_hat = x.to(torch.float32) * rstd
     g = dy32 if weight is None else dy32 * (offset + weight.to(torch.float32))
-    dx = rstd * (g - x_hat * (x_hat * g).mean(-1, keepdim=True))
+    # g − x̂·c, then · r, in the buffer of x̂·c: the same roundings, one (M, N) pass allocated
+    dx = (x_hat * (x_hat * g).mean(-1, keepdim=True)).neg_().add_(g).mul_(rstd)
     if weight is None:
         return dx.to(x.dtype), None
     dw = (dy32 * x_hat).reshape(-1, x.shape[-1]).sum(0)
@@ -205,9 +206,10 @@ def layer_norm_backward_reference(dy, x, weight, bias, mean, rstd):
     """
     n = x.shape[-1]
     dy32 = dy.to(torch.float32)
-    x_hat = (x.to(torch.float32) - mean) * rstd
+    x_hat = (x.to(torch.float32) - mean).mul_(rstd)
     g = dy32 if weight is None else dy32 * weight.to(torch.float32)
-    dx = rstd * (g - g.mean(-1, keepdim=True) - x_hat * (x_hat * g).mean(-1, keepdim=True))
+    # in place where a temporary is free: the same roundings, fewer (M, N) buffers allocated
+    dx = (g - g.mean(-1, keepdim=True)).sub_(x_hat * (x_hat * g).mean(-1, keepdim=True)).mul_(rstd)
     dw = None if weight is None else (dy32 * x_hat).reshape(-1, n).sum(0).to(weight.dtype)
     db = None if bias is None else dy32.reshape(-1, n).sum(0).to(bias.dtype)
     return dx.to(x.dtype), dw, db
