@@ -1,22 +1,29 @@
 #!/usr/bin/env bash
 # One command for a lent GPU (H200), one run, every number: the GPU-marked kernel and bench
-# tests, the benchmark (a first pass of the target ops, the bundled models' real shapes in
-# prefill and decode, QK-Norm + RoPE included, then the full sweep) and the model-level
-# benchmark (a full-width layer stack before and after normtools.patch). Installs nothing from
-# the network. At most ~8 minutes.
+# tests, the cluster pass (normtools.measure.cluster_check: every thread-block cluster
+# configuration of the launch table against float64, the torch backend and the chunked plan,
+# bfloat16 and float32, N 8,193 to 131,072, M 133, 7, 1, 4,096; repeated 200 times at the
+# largest N, compared bitwise; the occupancy query for every cluster size), the benchmark (a
+# first pass of the target ops, the bundled models' real shapes in prefill and decode, QK-Norm +
+# RoPE included, then the full sweep) and the model-level benchmark (a full-width layer stack
+# before and after normtools.patch). Installs nothing from the network. At most ~8 minutes.
 #
 #   bench/gpu_check.sh                the real check (needs CUDA)
 #   bench/gpu_check.sh --dry-run      on any machine: walks every step without timing anything
 #                                     (the Liger install into a temporary folder, the test
-#                                     selection collected with nbformat blocked, the sweep plan
-#                                     with each case's bytes and the time estimate, the outputs)
-#   bench/gpu_check.sh --quick        the same steps on a tiny sweep; without CUDA on the CPU
-#                                     (a smoke test of this script)
+#                                     selection collected with nbformat blocked, the cluster
+#                                     pass's configurations, shapes, launches and time estimate,
+#                                     the sweep plan with each case's bytes and the time
+#                                     estimate, the outputs)
+#   bench/gpu_check.sh --quick        the same steps on a tiny sweep (the cluster pass: RMSNorm,
+#                                     float32, N 16,385, one row); without CUDA on the CPU,
+#                                     under Triton's interpreter (a smoke test of this script)
 #   bench/gpu_check.sh --commit SHA   the normtools commit to record (or NORMTOOLS_COMMIT=SHA):
 #                                     a copied tree has no .git to ask
 #
 # Writes under $OUT (default bench/out): pytest-gpu.xml (junit, also after a timeout),
-# pytest-gpu.log, bench-h200.json (bench-quick.json with --quick), bench.log,
+# pytest-gpu.log, cluster-check.json (cluster-check-quick.json with --quick), cluster-check.log,
+# bench-h200.json (bench-quick.json with --quick), bench.log,
 # model-h200.json (model-quick.json), model.log, bench-h200-2proc.json (two processes per
 # case, with the time left), concurrency.log, nvidia-smi.txt and summary.md.
 # Environment:
@@ -53,8 +60,11 @@ case "$PY" in /*) ;; */*) PY="$PWD/$PY" ;; esac    # Python runs from another di
 TOTAL_S=470          # the whole script, with margin under 8 minutes
 TEST_S=120           # pytest, then SIGINT (junit is still written), KILL 20 s later
 MODEL_S=70           # the model-level benchmark
-# The bench gets the rest (about 220 s): by the plan's estimate the whole first pass and most
-# real shapes (every model's RMSNorm and QK-Norm, with and without RoPE, prefill and decode;
+CHECK_S=90           # the cluster pass, taken from the bench's share (it had about 220 s): by
+                     # its estimate the longest rows of every cluster configuration in bfloat16
+                     # and float32 and the repeats start; its JSON records what did not
+# The bench gets the rest (about 130 s): by the plan's estimate the whole first pass and part
+# of the real shapes (RMSNorm and QK-Norm, with and without RoPE, decode first;
 # cases.REAL_SHAPE_ORDER) start; the full sweep starts only if time is left. The dry run prints
 # how many cases of each phase and regime start.
 START=$SECONDS
@@ -142,10 +152,11 @@ if [ -n "${GPU_CHECK_TESTS:-}" ]; then
   read -r -a TEST_FILES <<< "$GPU_CHECK_TESTS"
 else
   TEST_FILES=()
-  for f in test_rms_norm test_layer_norm test_qk_norm test_qk_norm_rope test_kernel_paths \
-           test_kernel_traffic test_spills test_hf_parity_norms test_hf_parity_qk \
-           test_bench test_model_bench test_parity; do
-    [ -f "$REPO/tests/$f.py" ] && TEST_FILES+=("tests/$f.py")
+  for f in core/test_rms_norm core/test_layer_norm core/test_qk_norm core/test_qk_norm_rope \
+           core/test_kernel_paths core/test_hf_parity_norms core/test_hf_parity_qk \
+           measure/test_bytes_counter measure/test_spills measure/test_bench \
+           measure/test_model_bench measure/test_parity measure/test_cluster_check; do
+    if [ -f "$REPO/tests/$f.py" ]; then TEST_FILES+=("tests/$f.py"); fi
   done
 fi
 SELECTED=()
@@ -188,6 +199,34 @@ else
   fi
 fi
 
+# 1b. The cluster pass (normtools.measure.cluster_check), before the sweep: every cluster
+#    configuration against float64, the torch backend and the chunked plan, the repeats at the
+#    largest N (bitwise) and the occupancy query per cluster size. Its JSON is rewritten after
+#    every case; a case starts only if its estimate fits CHECK_S. Exit 1: a mismatch.
+if [ "$QUICK" = 1 ]; then
+  CHECK_RESULTS="$OUT/cluster-check-quick.json"
+  CHECK_ARGS=(--ops rms_norm --dtypes float32 --ns 16385 --ms 1 --repeats 2 --repeat-rows 1)
+  if [ "$HAS_CUDA" != 1 ]; then CHECK_ARGS+=(--device cpu); fi
+else
+  CHECK_RESULTS="$OUT/cluster-check.json"
+  CHECK_ARGS=(--device cuda)
+fi
+echo "== cluster pass (budget ${CHECK_S} s, $(left) s left)"
+if [ "$DRY" = 1 ]; then
+  py -m normtools.measure.cluster_check --dry-run --budget-s "$CHECK_S" --out "$CHECK_RESULTS" \
+    | tee "$OUT/cluster-check-plan.txt" || status=1
+else
+  check_rc=0
+  (cd "$RUN_DIR" && timeout $((CHECK_S + 30)) "$PY" -m normtools.measure.cluster_check \
+    "${CHECK_ARGS[@]}" --budget-s "$CHECK_S" --out "$CHECK_RESULTS") 2>&1 \
+    | tee "$OUT/cluster-check.log" || check_rc=$?
+  if [ "$check_rc" != 0 ]; then
+    echo "gpu_check: cluster pass exit code $check_rc (1: a mismatch, 2: no cluster plans" \
+      "here, 124: timed out)" >&2
+    status=1
+  fi
+fi
+
 # 2. The benchmark. The JSON is rewritten after every row, so a timeout keeps what ran; a case
 #    starts only if its estimate fits the budget, and then runs on every backend.
 if [ "$QUICK" = 1 ]; then
@@ -212,7 +251,7 @@ else
              --ops rms_norm --backends normtools-triton torch-F)
 fi
 budget=$(( $(left) - MODEL_S - 40 ))
-if [ "$DRY" = 1 ]; then budget=$(( TOTAL_S - TEST_S - MODEL_S - 60 )); fi
+if [ "$DRY" = 1 ]; then budget=$(( TOTAL_S - TEST_S - CHECK_S - MODEL_S - 60 )); fi
 if [ "$budget" -lt 30 ]; then budget=30; fi
 echo "== bench (budget ${budget} s)"
 if [ "$DRY" = 1 ]; then
@@ -278,11 +317,12 @@ fi
 
 echo "== done in $((SECONDS - START)) s; outputs in $OUT:"
 if [ "$DRY" = 1 ]; then
-  echo "would write: pytest-gpu.xml pytest-gpu.log $(basename "$RESULTS") bench.log" \
+  echo "would write: pytest-gpu.xml pytest-gpu.log $(basename "$CHECK_RESULTS")" \
+    "cluster-check.log $(basename "$RESULTS") bench.log" \
     "$(basename "$MODEL_RESULTS") model.log $(basename "$CONC_RESULTS") concurrency.log" \
     "nvidia-smi.txt summary.md"
-  echo "estimated: tests ≤ ${TEST_S} s + bench ≤ ${budget} s + model ≤ ${MODEL_S} s" \
-    "(script limit ${TOTAL_S} s)"
+  echo "estimated: tests ≤ ${TEST_S} s + cluster pass ≤ ${CHECK_S} s + bench ≤ ${budget} s" \
+    "+ model ≤ ${MODEL_S} s (script limit ${TOTAL_S} s)"
 fi
 ls -l "$OUT"
 exit "$status"

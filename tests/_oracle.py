@@ -2,7 +2,7 @@
 QK-Norm).
 
 The oracles are the textbook equations evaluated in float64, written independently of
-normtools. Tolerances (one place, per input dtype):
+normtools. Tolerances (defined in normtools.measure.oracle, per input dtype):
 
 * float32: max|out − ref64| ≤ 1e-5 · max(max|ref64|, 1) (max relative error, normwise; the
   floor of 1 matters only when the exact result is ~0 through cancellation, e.g. dx for N = 1,
@@ -20,9 +20,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-FP32_MAX_REL_ERR = 1e-5
-LOW_PRECISION_FACTOR = 2.0
-LOW_PRECISION_ATOL = {torch.float16: 1e-2, torch.bfloat16: 5e-2}
+from normtools.measure.oracle import FP32_MAX_REL_ERR, oracle_excess, run_with_grads  # noqa: F401
+
 # Tests parametrized over these run under the interpreter on CPU and compiled on CUDA.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -88,41 +87,13 @@ def layer_norm_f64(x, weight=None, bias=None, eps=1e-5):
     return y
 
 
-def run_with_grads(fn, inputs, grad_outputs, cast=None):
-    """Call ``fn(*leaves)`` on fresh leaf copies of ``inputs`` (optionally ``.to(cast)``; None and
-    non-tensors pass through), backpropagate ``grad_outputs`` (one per output, or None for an
-    output that gets no gradient) and return (outputs, gradients of the tensor inputs)."""
-    leaves = [t.detach().to(cast or t.dtype).requires_grad_() if isinstance(t, torch.Tensor)
-              else t for t in inputs]
-    outputs = fn(*leaves)
-    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-    pairs = [(o, g.to(o.dtype)) for o, g in zip(outputs, grad_outputs) if g is not None]
-    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
-    grads = torch.autograd.grad([o for o, _ in pairs], tensors, [g for _, g in pairs],
-                                allow_unused=True)
-    return [o.detach() for o in outputs], list(grads)
-
-
 def assert_close_to_oracle(out, ref64, same, dtype, what):
-    """Check ``out`` against the float64 ``ref64`` with the tolerance of input dtype ``dtype``;
-    ``same`` is the plain-PyTorch result in the same dtype (used for float16 / bfloat16)."""
+    """Check ``out`` against the float64 ``ref64`` with the tolerance of input dtype ``dtype``
+    (``normtools.measure.oracle.oracle_excess``); ``same`` is the plain-PyTorch result in the
+    same dtype (used for float16 / bfloat16)."""
     assert out.shape == ref64.shape, f"{what}: shape {tuple(out.shape)} != {tuple(ref64.shape)}"
-    if out.numel() == 0:
-        return
-    err = (out.double() - ref64).abs()
-    if dtype == torch.float32:
-        scale = ref64.abs().max().clamp_min(1.0)
-        rel = (err.max() / scale).item()
-        assert rel <= FP32_MAX_REL_ERR, f"{what}: max relative error {rel:.3g} > {FP32_MAX_REL_ERR}"
-    else:
-        # one ulp of the value itself: rounding the result to ``dtype`` is unavoidable, and
-        # ``same`` may round an element exactly by luck (matters for large values, e.g. dx of
-        # rows at the scale of eps)
-        bound = (LOW_PRECISION_FACTOR * (same.double() - ref64).abs() + LOW_PRECISION_ATOL[dtype]
-                 + torch.finfo(dtype).eps * ref64.abs())
-        worst = (err - bound).max().item()
-        assert worst <= 0, (f"{what} ({dtype}): |out − ref64| exceeds 2·|same − ref64| + atol "
-                            f"+ 1 ulp by {worst:.3g} (max error {err.max().item():.3g})")
+    excess, description = oracle_excess(out, ref64, same, dtype)
+    assert excess <= 0, f"{what}: {description}"
 
 
 LAYOUTS = ("contiguous", "padded_rows", "permuted_leading", "strided_last", "transposed_last",

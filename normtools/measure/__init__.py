@@ -15,6 +15,11 @@
 * ``spills``: registers and spills of the kernels, compiled for each CUDA architecture.
 * ``sm_balance``: how evenly each launch's programs keep the SMs busy (programs, CTAs, waves,
   SM-time efficiency) on an H200's and an A100's launch plan.
+* ``oracle``: the tolerance of a result against a float64 oracle (the kernel tests' bound) and a
+  run forward and backward on fresh leaves.
+* ``cluster_check``: the GPU run's correctness pass over every thread-block cluster
+  configuration (against float64, the torch backend and the chunked plan; repeats compared
+  bitwise; the occupancy query per cluster size).
 * ``isolated``: one function run in a fresh Python process.
 * ``distributed``: processes for tensor-parallel runs (``spawn``, ``run_all``) and the bytes each
   collective moves (``CommBytes``); ``tp_blocks`` (a Llama- and an OLMo 2-style block under

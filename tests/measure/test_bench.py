@@ -327,9 +327,13 @@ def test_gpu_check_script_quick_on_cpu_with_symlink_tree(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "normtools from /" in run.stdout and str(REPO) + "/normtools" not in run.stdout
-    for name in ("pytest-gpu.xml", "bench-quick.json", "summary.md", "bench.log",
-                 "bench-quick-2proc.json"):
+    for name in ("pytest-gpu.xml", "cluster-check-quick.json", "bench-quick.json", "summary.md",
+                 "bench.log", "bench-quick-2proc.json"):
         assert (tmp_path / name).is_file(), name
+    # the cluster pass ran under the interpreter: one case, two repeats, no mismatch
+    cluster = json.loads((tmp_path / "cluster-check-quick.json").read_text())
+    assert len(cluster["cases"]) == 1 and len(cluster["repeats"]) == 1
+    assert cluster["failures"] == 0
     # pytest collected this file's GPU tests and skipped them (no CUDA here)
     junit = (tmp_path / "pytest-gpu.xml").read_text()
     assert re.search(r'errors="0" failures="0" skipped="[1-9]', junit), junit

@@ -215,8 +215,10 @@ def _fake_liger_wheel(folder):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU dry run of the script")
 def test_gpu_check_dry_run_walks_every_step(tmp_path):
     """--dry-run on the CPU: Liger installed from a wheel without the network, the test files
-    collected with nbformat made unimportable, the plan with every synthetic case ≥ 256 MiB and
-    a time estimate within the budget, and the output files named."""
+    collected with nbformat made unimportable, the cluster pass's plan (every cluster
+    configuration, the repeats and the occupancy query within its budget), the sweep plan with
+    every synthetic case ≥ 256 MiB and a time estimate within the budget, and the output files
+    named."""
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "GPU_CHECK_IMPORT": "shim",
            "GPU_CHECK_TESTS": "tests/measure/test_bench.py tests/measure/test_parity.py",
@@ -229,6 +231,15 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     assert "| commit feedbee" in log
     collect = (out / "pytest-collect.log").read_text()
     assert re.search(r"\d+/\d+ tests collected", collect) and "error" not in collect.lower()
+    cluster = (out / "cluster-check-plan.txt").read_text()
+    assert "cluster configurations (14, launch_plans.CUDA_ROW_CONFIGS)" in cluster
+    assert "row lengths N: 8193, 16384, 16385, 32768, 32769, 65536, 65537, 131072" in cluster
+    assert "rows M: 1, 7, 133, 4096; dtypes: bfloat16, float32" in cluster
+    assert "clusters 8 / 16" in cluster and "chunks 8192 / 4096" in cluster
+    cases, repeats = re.search(r"budget 90 s, by the estimate: (\d+) of 256 cases and "
+                               r"(\d+) of 8 repeats start", cluster).groups()
+    assert int(cases) >= 8 and int(repeats) == 8, cluster[-800:]
+    assert "cuOccupancyMaxActiveClusters for cluster sizes 2, 4, 8, 16" in cluster
     plan = (out / "bench-plan.txt").read_text()
     smallest = float(re.search(r"smallest synthetic case: ([\d.]+) MiB", plan).group(1))
     assert smallest >= 256
@@ -243,16 +254,17 @@ def test_gpu_check_dry_run_walks_every_step(tmp_path):
     real = re.search(r"real shapes: (\d+) of \d+ start, prefill (\d+) of \d+, "
                      r"decode (\d+) of \d+, qk_norm_rope (\d+) of \d+", plan)
     assert real and all(int(n) > 0 for n in real.groups()), plan[-800:]
-    for name in ("pytest-gpu.xml", "bench-h200.json", "model-h200.json", "summary.md"):
+    for name in ("pytest-gpu.xml", "cluster-check.json", "bench-h200.json", "model-h200.json",
+                 "summary.md"):
         assert name in log
     assert "full-width stack: 4 layers, hidden 4096" in log
     assert "--processes 2" in log and "bench-h200-2proc.json" in log
     # the stages' limits add up within the script's, which stays under 8 minutes
-    stages = re.search(r"estimated: tests ≤ (\d+) s \+ bench ≤ (\d+) s \+ model ≤ (\d+) s "
-                       r"\(script limit (\d+) s\)", log)
+    stages = re.search(r"estimated: tests ≤ (\d+) s \+ cluster pass ≤ (\d+) s \+ bench ≤ "
+                       r"(\d+) s \+ model ≤ (\d+) s \(script limit (\d+) s\)", log)
     assert stages, log[-2000:]
     *parts, limit = map(int, stages.groups())
-    assert sum(parts) <= limit <= 480 and int(budget) == parts[1]
+    assert sum(parts) <= limit <= 480 and int(budget) == parts[2]
 
 
 def test_two_processes_time_each_case_at_once():
