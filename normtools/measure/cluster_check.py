@@ -380,10 +380,11 @@ def _row_elements(op, n, m):
 def plan_pass(ops=CLUSTER_OPS, dtypes=DTYPES, ns=ROW_LENGTHS, ms=ROWS, repeats=REPEATS,
               repeat_rows=REPEAT_ROWS, target=None):
     """The pass in the order it runs, so that a budget cut keeps the most: [(kind, op, dtype,
-    n, m, launches, estimated s)], kind "case" or "repeats". First the first M with the row
-    lengths that end a cluster range (``cluster_configs``' highest N, the longest first: every
-    configuration once per op and dtype), then the repeats at the largest N, then the first M with the other row
-    lengths, then the other M. A compile is charged to the first entry that needs it."""
+    n, m, launches, estimated s)], kind "case" or "repeats". First the first M at the largest
+    N, then the repeats there (its kernels compiled), then the first M with the other row
+    lengths that end a cluster range (``cluster_configs``' highest N, longest first: every
+    configuration once per op and dtype), then the first M with the other row lengths, then
+    the other M. A compile is charged to the first entry that needs it."""
     target = target or _Target("cpu")
     seen, entries = set(), []
     per_n = {(op, dtype, n): _compile_keys(op, dtype, n, target)
@@ -407,7 +408,8 @@ def plan_pass(ops=CLUSTER_OPS, dtypes=DTYPES, ns=ROW_LENGTHS, ms=ROWS, repeats=R
 
     highest = {c["n_highest"] for c in cluster_configs()}
     first_ns = sorted((n for n in ns if n in highest), reverse=True)
-    for phase_ms, phase_ns in (((ms[0],), first_ns), ("repeats", None),
+    for phase_ms, phase_ns in (((ms[0],), first_ns[:1]), ("repeats", None),
+                               ((ms[0],), first_ns[1:]),
                                ((ms[0],), [n for n in ns if n not in highest]), (ms[1:], ns)):
         if phase_ms == "repeats":
             for dtype in dtypes:
