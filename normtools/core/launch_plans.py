@@ -245,7 +245,7 @@ def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
 
 
 def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1,
-                capability=DEFAULT_CAPABILITY):
+                capability=DEFAULT_CAPABILITY, resident_limit=None):
     """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
     reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
     spill report) use the same block sizes and grid.
@@ -259,6 +259,13 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the weight is read once
     per program, not once per row.
 
+    ``resident_limit`` (CUDA only): the programs the GPU holds at once, when known, replacing
+    the computed limit: limit = max(1, ``resident_limit``). A cluster of 4 or more CTAs must
+    fit one GPC (14-18 SMs on an H100/H200), so fewer than ``sm_count`` // ``num_ctas``
+    clusters may be resident; the launcher passes the count that the driver's occupancy query
+    gives for the compiled kernel (``normtools.core.occupancy``, ``launcher.plan_for``). The
+    plan stays pure: the count is an argument.
+
     CUDA: the CUDA_ROW_CONFIGS row for (direction, element size, n, ``capability``). CPU
     (Triton's interpreter): BLOCK_N = next_power_of_2(n) up to MAX_CHUNK_BYTES / element size,
     TILE_ELEMENTS["cpu"] values per tile, CPU_PROGRAMS programs in a persistent grid.
@@ -270,7 +277,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         block_n = whole_row if config.block_n is None else min(config.block_n, whole_row)
         tile, num_warps, reason = config.tile, config.num_warps, config.reason
         num_ctas = config.num_ctas
-        limit = max(1, PROGRAMS_PER_SM * sm_count // num_ctas)
+        limit = max(1, PROGRAMS_PER_SM * sm_count // num_ctas if resident_limit is None
+                    else resident_limit)
     else:
         block_n = min(whole_row, MAX_CHUNK_BYTES // element_size)
         tile, num_warps, limit, num_ctas = TILE_ELEMENTS["cpu"], 4, CPU_PROGRAMS, 1

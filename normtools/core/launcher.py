@@ -9,12 +9,15 @@ A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it 
   asked for (``TRITON_INTERPRET=1``).
 * ``plan_for``: ``launch_plans.launch_plan`` for the tensors' device (its SM count and compute
   capability on CUDA), or for the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``.
+  A cluster plan on CUDA is capped at the clusters the GPU holds at once (``_RESIDENT_CLUSTERS``,
+  filled by the launches: see ``record_resident_clusters``), so its grid is one wave.
 * ``kernel_for``: the callable kernel for a device: the compiled ``@triton.jit`` kernel inside
   a device guard for CUDA tensors; the same kernel run by Triton's interpreter for CPU tensors
   (``normtools.core._triton_interpreter``), also in a process in which ``TRITON_INTERPRET`` was
   never set; a recorder inside ``launch_hooks.recording_launches``. Every launch gets
   ``launch_plans.LAUNCH_OPTIONS`` (``enable_fp_fusion=True``), and the first compile of a
-  cluster kernel (``num_ctas`` > 1) on CUDA is checked by ``check_cluster_ptx``.
+  cluster kernel (``num_ctas`` > 1) on CUDA is checked by ``check_cluster_ptx`` and measured
+  by the occupancy query (``record_resident_clusters``).
 * ``as_rows``: a (M, N) view of a tensor with unit stride along N (a copy only if needed).
 * ``sum_partials``: the last launch of every backward, the weight gradient from the
   per-program partial rows (``kernels/partials.py``).
@@ -22,12 +25,13 @@ A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it 
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
 
 from normtools._kernels import partials as _partials
-from normtools.core import launch_hooks, launch_plans
+from normtools.core import launch_hooks, launch_plans, occupancy
 from normtools.core._triton_interpreter import InterpretedKernel, is_interpreted
 from normtools.core.launch_plans import LAUNCH_OPTIONS, launch_plan
 
@@ -55,23 +59,41 @@ def resolve_backend(backend, device):
 
 def plan_for(kernel, dtype, m, n, device, slots=1):
     """``launch_plans.launch_plan`` for tensors on ``device`` (its SM count on CUDA), or for
-    the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``."""
+    the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``.
+
+    On CUDA, a cluster plan (``num_ctas`` > 1) whose grid has more programs than the GPU holds
+    clusters of the compiled kernel at once (``_RESIDENT_CLUSTERS``, the occupancy query's
+    answer recorded at the kernel's first launch on the device) is made again with that count
+    as its limit (``launch_plan``'s ``resident_limit``), so the grid is one wave. Until the
+    first launch of the kernel with that cluster shape has compiled it (or when the query
+    failed), the table's grid is kept."""
     target = launch_hooks.cuda_plan_target()
     if target is not None:
         sm_count, capability = target
         return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
     if torch.device(device).type == "cuda":
         sm_count, capability = cuda_sm_count_and_capability(device)
-        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
+        plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
+        if plan.num_ctas > 1:
+            resident = _RESIDENT_CLUSTERS.get(
+                (kernel, cuda_index(device), plan.num_ctas, plan.num_warps))
+            if resident is not None and plan.programs > resident:
+                plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability,
+                                   resident_limit=resident)
+        return plan
     return launch_plan(kernel, dtype, m, n, "cpu", slots=slots)
+
+
+def cuda_index(device):
+    """The index of a CUDA ``device`` (index None: the current device)."""
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def cuda_sm_count_and_capability(device):
     """(SMs, compute capability as 10 · major + minor) of a CUDA ``device`` (index None: the
     current device)."""
-    device = torch.device(device)
-    return _sm_count_and_capability(device.index if device.index is not None
-                                    else torch.cuda.current_device())
+    return _sm_count_and_capability(cuda_index(device))
 
 
 @functools.cache
@@ -131,17 +153,49 @@ class _DeviceGuardedKernel:
         def launch(*args, **kwargs):
             with torch.cuda.device(self.device):
                 compiled = self.kernel[grid](*args, **kwargs)
-            num_ctas = kwargs.get("num_ctas", 1)
-            if num_ctas > 1 and id(compiled) not in _CHECKED_CLUSTER_KERNELS:
-                check_cluster_ptx(compiled.asm["ptx"], self.kernel.fn.__name__, num_ctas)
-                _CHECKED_CLUSTER_KERNELS.add(id(compiled))
+                num_ctas = kwargs.get("num_ctas", 1)
+                if num_ctas > 1 and id(compiled) not in _CHECKED_CLUSTER_KERNELS:
+                    check_cluster_ptx(compiled.asm["ptx"], self.kernel.fn.__name__, num_ctas)
+                    record_resident_clusters(self.kernel.fn.__name__, cuda_index(self.device),
+                                             compiled)
+                    _CHECKED_CLUSTER_KERNELS.add(id(compiled))
             return compiled
         return launch
 
 
-# ids of the compiled cluster kernels whose PTX check_cluster_ptx has passed (Triton keeps
-# every compiled kernel in its cache for the life of the process, so an id is never reused)
+# ids of the compiled cluster kernels whose PTX check_cluster_ptx has passed and whose
+# occupancy was asked (Triton keeps every compiled kernel in its cache for the life of the
+# process, so an id is never reused)
 _CHECKED_CLUSTER_KERNELS = set()
+# Clusters resident at once, by (kernel name, device index, CTAs per cluster, warps per CTA):
+# the fewest over the kernel's compiled specializations asked so far (plan_for cannot tell
+# them apart before a compile; the grid does not change the compiled code). The kernel names
+# are launch_plans.KERNELS, the names of the @triton.jit functions.
+_RESIDENT_CLUSTERS = {}
+# Whether the occupancy query has failed in this process (its warning is given once).
+_OCCUPANCY_FAILED = []
+
+
+def record_resident_clusters(kernel_name, device_index, compiled):
+    """Ask the occupancy query (``occupancy.resident_clusters``) how many clusters of the
+    compiled kernel ``compiled`` the current GPU holds at once, and keep the fewest for its
+    kernel, device and cluster shape in ``_RESIDENT_CLUSTERS`` (read by ``plan_for``). When the
+    query cannot answer (no libcuda, a driver error, no cluster fits), warn once per process
+    and record nothing: the launches keep the launch table's grid."""
+    key = (kernel_name, device_index, compiled.metadata.num_ctas, compiled.metadata.num_warps)
+    try:
+        resident = occupancy.resident_clusters(compiled)
+        if resident < 1:
+            raise RuntimeError(f"cuOccupancyMaxActiveClusters answered {resident} clusters")
+    except Exception as error:   # any failure of the query keeps the grid, never the launch
+        if not _OCCUPANCY_FAILED:
+            warnings.warn(f"normtools: the occupancy query for {kernel_name} on a cluster of "
+                          f"{key[2]} CTAs failed ({type(error).__name__}: {error}); cluster "
+                          f"kernels keep the launch table's grid, which may run a second wave",
+                          RuntimeWarning, stacklevel=2)
+        _OCCUPANCY_FAILED.append(key)
+        return
+    _RESIDENT_CLUSTERS[key] = min(resident, _RESIDENT_CLUSTERS.get(key, resident))
 
 
 def as_rows(t):

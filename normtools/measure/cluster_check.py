@@ -35,8 +35,11 @@ Repeats: at the largest N and ``REPEAT_ROWS`` rows, every op and dtype runs on t
 
 Occupancy (CUDA only): for every compiled cluster kernel, its registers, spills and shared
 memory, and ``cuOccupancyMaxActiveClusters`` asked with the kernel's real block (num_warps × 32
-threads) and shared memory (``max_active_clusters``; Triton's own helper assumes 128 threads),
-against the clusters a plan launches at most (``PROGRAMS_PER_SM`` × SMs // num_ctas).
+threads) and shared memory (``normtools.core.occupancy``; Triton's own helper assumes 128
+threads), against the clusters the launch table's plan asks for (``PROGRAMS_PER_SM`` × SMs //
+num_ctas): where that is more than the GPU holds, the launcher caps the grid of every later
+launch of the kernel at the resident count (``launcher.plan_for``), so a second wave here
+flags a table whose first launch of each cluster kernel runs two waves.
 
 Writes a JSON file (run conditions, configurations, every case with its plans and checks, the
 repeats and the occupancy rows), rewritten after every case. A case starts only if its
@@ -45,7 +48,6 @@ when any check, repeat or case failed, 2 when the pass cannot run here.
 """
 
 import argparse
-import ctypes
 import json
 import time
 
@@ -58,6 +60,7 @@ from normtools._kernels import qk_norm as _qk_norm_kernels
 from normtools._kernels import rms_norm as _rms_norm_kernels
 from normtools.core import launch_hooks, launch_plans, sysinfo
 from normtools.core.launcher import cuda_sm_count_and_capability, plan_for
+from normtools.core.occupancy import resident_clusters
 from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
 from normtools.core.qk import qk_norm
 from normtools.measure.bench.backends import on_chunked_plan
@@ -271,54 +274,6 @@ def check_repeats(op, dtype, n, m, repeats, target, seed=0):
 
 
 # ------------------------------------------------------------------------------- occupancy
-# cuOccupancyMaxActiveClusters(int *numClusters, CUfunction func, const CUlaunchConfig *config)
-# from the driver API (cuda.h): the structures below mirror CUlaunchConfig and CUlaunchAttribute.
-CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
-
-
-class LaunchAttribute(ctypes.Structure):
-    """CUlaunchAttribute: an id, padding to 8 bytes, a 64-byte value union (clusterDim's x, y,
-    z at its start)."""
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4),
-                ("cluster_x", ctypes.c_uint), ("cluster_y", ctypes.c_uint),
-                ("cluster_z", ctypes.c_uint), ("value_rest", ctypes.c_char * 52)]
-
-
-class LaunchConfig(ctypes.Structure):
-    """CUlaunchConfig."""
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
-                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
-                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(LaunchAttribute)), ("numAttrs", ctypes.c_uint)]
-
-
-def max_active_clusters(function, num_ctas, num_warps, shared):
-    """Clusters of ``num_ctas`` CTAs of ``num_warps`` warps and ``shared`` bytes of dynamic
-    shared memory of the loaded kernel ``function`` (a CUfunction handle) that the current GPU
-    holds at once: cuOccupancyMaxActiveClusters."""
-    libcuda = ctypes.CDLL("libcuda.so.1")
-    handle = ctypes.c_void_p(function)
-    for attribute, value in ((CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, shared),
-                             (CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)):
-        status = libcuda.cuFuncSetAttribute(handle, ctypes.c_int(attribute), ctypes.c_int(value))
-        if status != 0:
-            raise RuntimeError(f"cuFuncSetAttribute({attribute}) returned CUresult {status}")
-    attribute = LaunchAttribute(id=CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION, cluster_x=num_ctas,
-                                cluster_y=1, cluster_z=1)
-    config = LaunchConfig(gridDimX=num_ctas, gridDimY=1, gridDimZ=1, blockDimX=32 * num_warps,
-                          blockDimY=1, blockDimZ=1, sharedMemBytes=shared, hStream=None,
-                          attrs=ctypes.pointer(attribute), numAttrs=1)
-    clusters = ctypes.c_int(-1)
-    status = libcuda.cuOccupancyMaxActiveClusters(ctypes.byref(clusters), handle,
-                                                  ctypes.byref(config))
-    if status != 0:
-        raise RuntimeError(f"cuOccupancyMaxActiveClusters returned CUresult {status}")
-    return clusters.value
-
-
 def occupancy(target):
     """One row per compiled cluster kernel (``CLUSTER_KERNELS`` compiled with num_ctas > 1 in
     this process): registers, spills, shared memory, the clusters the GPU holds at once and
@@ -330,9 +285,8 @@ def occupancy(target):
                 num_ctas = compiled.metadata.num_ctas
                 if num_ctas <= 1:
                     continue
-                compiled._init_handles()
                 num_warps, shared = compiled.metadata.num_warps, compiled.metadata.shared
-                resident = max_active_clusters(compiled.function, num_ctas, num_warps, shared)
+                resident = resident_clusters(compiled)
                 launched = max(1, launch_plans.PROGRAMS_PER_SM * target.sm_count // num_ctas)
                 rows.append({"kernel": name, "num_ctas": num_ctas, "num_warps": num_warps,
                              "registers": compiled.n_regs, "spills": compiled.n_spills,

@@ -1,14 +1,10 @@
 """The GPU run's cluster pass (normtools.measure.cluster_check), on CPU: a tiny pass under
 Triton's interpreter on the forced sm_90 cluster plan and the chunked plan, that it fails on a
-wrong float64 reference and on a run that changes a bit, that its row lengths reach every
-cluster configuration of the launch table, and that the structures of the occupancy query
-have the driver API's layout (compiled against Triton's cuda.h)."""
+wrong float64 reference and on a run that changes a bit, and that its row lengths reach every
+cluster configuration of the launch table (the occupancy query's ctypes structures are
+tested beside the query, normtools.core.occupancy, in tests/core/test_occupancy.py)."""
 
-import ctypes
 import json
-import shutil
-import subprocess
-from pathlib import Path
 
 import pytest
 import torch
@@ -89,43 +85,6 @@ def test_row_lengths_reach_every_cluster_configuration():
             assert set(reached.values()) == {config["num_ctas"]}, (kernel, reached)
     assert {c["num_ctas"] for c in cluster_check.cluster_configs()} == {2, 4, 8, 16}
     assert min(cluster_check.ROW_LENGTHS) <= 16385 and max(cluster_check.ROW_LENGTHS) == 131072
-
-
-@pytest.mark.skipif(shutil.which("gcc") is None, reason="needs a C compiler")
-def test_occupancy_structures_have_the_driver_api_layout(tmp_path):
-    """ctypes' LaunchConfig and LaunchAttribute against CUlaunchConfig and CUlaunchAttribute as
-    gcc lays them out from Triton's copy of cuda.h (sizes and field offsets), and the enum
-    values the query passes."""
-    include = Path(triton.__file__).parent / "backends" / "nvidia" / "include"
-    source = tmp_path / "layout.c"
-    source.write_text(r"""
-#include <stdio.h>
-#include <stddef.h>
-#include <cuda.h>
-int main(void) {
-  printf("%zu %zu %zu %zu %zu %zu %zu\n", sizeof(CUlaunchConfig), sizeof(CUlaunchAttribute),
-         offsetof(CUlaunchConfig, sharedMemBytes), offsetof(CUlaunchConfig, hStream),
-         offsetof(CUlaunchConfig, attrs), offsetof(CUlaunchConfig, numAttrs),
-         offsetof(CUlaunchAttribute, value));
-  printf("%d %d %d\n", (int)CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-         (int)CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-         (int)CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED);
-  return 0;
-}
-""")
-    binary = tmp_path / "layout"
-    subprocess.run(["gcc", "-I", str(include), str(source), "-o", str(binary)], check=True)
-    sizes, enums = subprocess.run([str(binary)], capture_output=True, text=True,
-                                  check=True).stdout.splitlines()
-    config, attribute = cluster_check.LaunchConfig, cluster_check.LaunchAttribute
-    assert list(map(int, sizes.split())) == [
-        ctypes.sizeof(config), ctypes.sizeof(attribute), config.sharedMemBytes.offset,
-        config.hStream.offset, config.attrs.offset, config.numAttrs.offset,
-        attribute.cluster_x.offset]
-    assert list(map(int, enums.split())) == [
-        cluster_check.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION,
-        cluster_check.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        cluster_check.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED]
 
 
 @pytest.mark.gpu
