@@ -31,7 +31,9 @@ specialization may differ) and its registers (ptxas) and shared memory (Triton's
 bound the CTAs: ``resident_from`` = "compile". Without it the bound is the warps alone
 (``resident_from`` = "warps": an upper bound). What this leaves out: the GPC placement of
 clusters (clusters of 4 or more must fit a GPC; the occupancy query of the GPU run says how
-many are resident), launch latency, and the tail of a persistent program's loop.
+many are resident, and from a cluster kernel's second launch on a device the launcher caps
+its grid at that count: ``launch_plan``'s ``resident_limit``, so a GPU's cluster grids may
+have fewer programs than these), launch latency, and the tail of a persistent program's loop.
 
 ``python -m normtools.measure.sm_balance --no-compile --csv book/data/kernels/sm_balance.csv``
 writes the committed H200 table, ``--gpu a100 --no-compile --csv
