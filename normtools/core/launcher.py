@@ -172,7 +172,8 @@ _CHECKED_CLUSTER_KERNELS = set()
 # them apart before a compile; the grid does not change the compiled code). The kernel names
 # are launch_plans.KERNELS, the names of the @triton.jit functions.
 _RESIDENT_CLUSTERS = {}
-# Whether the occupancy query has failed in this process (its warning is given once).
+# The keys (as _RESIDENT_CLUSTERS') of the occupancy queries that failed in this process; the
+# warning is given for the first only.
 _OCCUPANCY_FAILED = []
 
 
