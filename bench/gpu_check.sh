@@ -155,7 +155,8 @@ else
   for f in core/test_rms_norm core/test_layer_norm core/test_qk_norm core/test_qk_norm_rope \
            core/test_kernel_paths core/test_hf_parity_norms core/test_hf_parity_qk \
            measure/test_bytes_counter measure/test_spills measure/test_bench \
-           measure/test_model_bench measure/test_parity measure/test_cluster_check; do
+           measure/test_model_bench measure/test_parity measure/test_cluster_check \
+           core/test_occupancy; do
     if [ -f "$REPO/tests/$f.py" ]; then TEST_FILES+=("tests/$f.py"); fi
   done
 fi
