@@ -142,8 +142,8 @@ def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
     dy32 = dy.to(torch.float32)
     x_hat = x.to(torch.float32) * rstd
     g = dy32 if weight is None else dy32 * (offset + weight.to(torch.float32))
-    # g − x̂·c, then · r, in the buffer of x̂·c: the same roundings, one (M, N) pass allocated
-    dx = (x_hat * (x_hat * g).mean(-1, keepdim=True)).neg_().add_(g).mul_(rstd)
+    # · r in place: the same roundings, one (M, N) buffer fewer
+    dx = (g - x_hat * (x_hat * g).mean(-1, keepdim=True)).mul_(rstd)
     if weight is None:
         return dx.to(x.dtype), None
     dw = (dy32 * x_hat).reshape(-1, x.shape[-1]).sum(0)

@@ -20,7 +20,9 @@ _aten = torch.ops.aten
 #: Elementwise arithmetic: one operation per output element.
 _ELEMENTWISE = {_aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.Scalar, _aten.mul.Tensor,
                 _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar, _aten.pow.Tensor_Scalar,
-                _aten.rsqrt.default, _aten.sqrt.default, _aten.neg.default, _aten.rsub.Scalar}
+                _aten.rsqrt.default, _aten.sqrt.default, _aten.neg.default, _aten.rsub.Scalar,
+                # in place (the backward references reuse their temporaries)
+                _aten.add_.Tensor, _aten.sub_.Tensor, _aten.mul_.Tensor, _aten.div_.Tensor}
 #: Reductions: one operation per input element.
 _REDUCTIONS = {_aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim, _aten.mean.default}
 #: Data movement only (views, casts, copies, allocation): no arithmetic.
