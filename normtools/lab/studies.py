@@ -18,8 +18,9 @@ every run is in. Losses are evaluated on the whole validation split in float32
 norm runs on the torch backend (``backend="torch"``, whatever ``TRITON_INTERPRET`` says).
 
 The chapter renders that file with :func:`load_study`; :func:`rerun` trains one committed
-seed of one configuration again and :func:`compare_rerun` is a **reproducibility check** (same
-seed, float tolerance), not evidence: the evidence is the paired comparison over the seeds
+seed of one configuration again (:func:`rerun_on_committed_path`: in a process held to the
+committed machine's CPU kernels, where the run repeats exactly) and :func:`compare_rerun` is a
+**reproducibility check** (same seed, float tolerance), not evidence: the evidence is the paired comparison over the seeds
 (:mod:`normtools.lab.verdicts`).
 
 ``size="gpu"`` runs the same study at the larger settings (write it to another file).
@@ -29,7 +30,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,9 +55,9 @@ _CURVES = ("loss", "grad_norm", "logit_max", "log_z")
 _DEFAULT_DIR = Path("book") / "data" / "studies"
 
 #: Relative tolerance of :func:`compare_rerun`'s reproducibility check, per metric: a re-run of
-#: a committed seed on the torch backend reproduces its losses up to float rounding (thread
-#: counts and CPU kernels change the summation order). Chaotic quantities (peak logits) are not
-#: checked: a rounding difference grows along the run.
+#: a committed seed on the torch backend, on the committed CPU kernels and thread count
+#: (:func:`rerun_on_committed_path`), reproduces its losses up to float rounding. Chaotic
+#: quantities (peak logits) are not checked: a rounding difference grows along the run.
 REPRODUCTION_RTOL = {"initial_loss": 1e-4, "final_loss": 1e-3}
 
 #: Every study's norms run on this backend (the torch reference path: a rerun reproduces).
@@ -472,6 +475,47 @@ def rerun(document: dict, variant: str | None = None, lr: float | None = None,
     return chosen, _run_record(study, cell, data or load_corpus(), settings, provenance()["commit"])
 
 
+#: oneDNN's instruction-set cap (``ONEDNN_MAX_CPU_ISA``) that goes with ATen's CPU capability:
+#: oneDNN picks its own kernels (bfloat16 matmuls, for one) by what the CPU offers, whatever ATen
+#: was told. A capability not listed leaves oneDNN uncapped.
+_ONEDNN_ISA = {"DEFAULT": "SSE41", "AVX2": "AVX2"}
+
+
+def numeric_path_environment(machine: dict) -> dict:
+    """Environment variables that hold a fresh process to the CPU kernels of ``machine`` (a
+    committed study's ``conditions["machine"]``): ``ATEN_CPU_CAPABILITY`` (ATen's vectorized
+    kernels: DEFAULT, AVX2, AVX512 sum in other orders) and ``ONEDNN_MAX_CPU_ISA``. Both are read
+    once, when the process first dispatches, so they need a new process; a CPU without the
+    capability runs its fallback (:func:`rerun_on_committed_path` reports which ran)."""
+    capability = machine["aten_cpu_capability"]
+    env = {"ATEN_CPU_CAPABILITY": capability.lower()}
+    if capability in _ONEDNN_ISA:
+        env["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA[capability]
+    return env
+
+
+def rerun_on_committed_path(path: str | Path, variant: str | None = None, lr: float | None = None,
+                            seed: int | None = None) -> tuple[dict, dict, str]:
+    """:func:`rerun` of the committed study at ``path`` in a fresh Python process held to the
+    committed machine's numeric path (:func:`numeric_path_environment`, its torch thread count).
+
+    A training run is chaotic in the last bits: trained on another CPU path (an AVX-512 machine
+    for a study committed on AVX2) a seed's final loss moves by about 1 %, past any float
+    tolerance, while on the committed path it is reproduced exactly. Returns (the configuration
+    chosen, the re-run's record, the ATen capability the process ran with: the committed one
+    unless this CPU lacks it)."""
+    path = Path(path)
+    machine = json.loads(path.read_text())["conditions"]["machine"]
+    argv = [sys.executable, "-m", "normtools", "lab", "rerun", str(path), "--json",
+            "--threads", str(machine["torch_threads"])]
+    for flag, value in (("--variant", variant), ("--lr", lr), ("--seed", seed)):
+        if value is not None:
+            argv += [flag, str(value)]
+    env = {**os.environ, **numeric_path_environment(machine)}
+    out = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout)
+    return out["chosen"], out["record"], out["aten_cpu_capability"]
+
+
 def compare_rerun(document: dict, chosen: dict, record: dict,
                   metrics=tuple(REPRODUCTION_RTOL)) -> "pandas.DataFrame":
     """The reproducibility check: one row per metric with the committed value of the same run
@@ -516,7 +560,8 @@ def study_table(document: dict):
 
 
 def add_cli(subparsers):
-    """Register ``normtools lab run STUDY`` and ``normtools lab list``."""
+    """Register ``normtools lab run STUDY``, ``lab probe PROBE``, ``lab rerun FILE`` and
+    ``lab list``."""
     parser = subparsers.add_parser("lab", help="the stability lab's committed studies",
                                    description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="lab_command", required=True)
@@ -537,6 +582,18 @@ def add_cli(subparsers):
     probe.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     probe.add_argument("--out", default=None, help="output path (default book/data/studies/PROBE.json)")
     probe.set_defaults(func=_probe_cli)
+    again = commands.add_parser("rerun", help="train one committed seed again and compare (a "
+                                              "reproducibility check)")
+    again.add_argument("file", help="a committed study, e.g. book/data/studies/placements.json")
+    again.add_argument("--variant", default=None, help="default: the study's check configuration")
+    again.add_argument("--lr", type=float, default=None)
+    again.add_argument("--seed", type=int, default=None)
+    again.add_argument("--threads", type=positive_int, default=1,
+                       help="with --json: torch CPU threads (default 1)")
+    again.add_argument("--json", action="store_true",
+                       help="train in this process and print the configuration, the record and the "
+                            "CPU capability as JSON (without it: in a process on the committed path)")
+    again.set_defaults(func=_rerun_cli)
     listing = commands.add_parser("list", help="the studies and what each asks")
     listing.set_defaults(func=_list_cli)
     return parser
@@ -560,6 +617,24 @@ def _probe_cli(args) -> int:
     document = run_init_probe(args.probe, out=path)
     print(f"{args.probe}: {len(document['runs'])} rows, {document['conditions']['wall_seconds']} s -> "
           f"{path}, {'complete' if document['complete'] else 'incomplete (rerun to resume)'}")
+    return 0
+
+
+def _rerun_cli(args) -> int:
+    """``--json``: train here and print (the process the parent pinned). Otherwise train in a
+    process held to the committed numeric path and print the comparison."""
+    document = json.loads(Path(args.file).read_text())
+    if args.json:
+        torch.set_num_threads(args.threads)
+        chosen, record = rerun(document, args.variant, args.lr, args.seed)
+        print(json.dumps({"chosen": chosen, "record": record,
+                          "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}))
+        return 0
+    chosen, record, capability = rerun_on_committed_path(args.file, args.variant, args.lr, args.seed)
+    machine = document["conditions"]["machine"]
+    print(f"{document['study']}: {chosen}, on ATen {capability} with {machine['torch_threads']} "
+          f"thread(s) (committed on {machine['aten_cpu_capability']})")
+    print(compare_rerun(document, chosen, record).to_string(index=False))
     return 0
 
 
