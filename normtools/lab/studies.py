@@ -370,7 +370,7 @@ def _study_with_seeds(name: str, seeds=None) -> Study:
 
 def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
               size_settings: dict | None = None, out: str | Path | None = None,
-              max_runs: int | None = None) -> dict:
+              max_runs: int | None = None, shard: tuple[int, int] | None = None) -> dict:
     """Train study ``name`` at ``size`` (``seeds`` overrides the study's) and return its JSON
     document (:func:`new_document` with the runs). ``size_settings`` replaces
     ``grid.STABILITY_SIZES[size]`` (a chapter passes its shrunk gpu settings).
@@ -378,7 +378,11 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
     With ``out``, the study is resumable: the runs already in the file at ``out`` (same study,
     size, model, steps and seeds; ``ValueError`` otherwise) are kept and skipped, and the file is
     rewritten atomically after every new run; ``complete`` becomes True when every run is in.
-    ``max_runs`` stops after that many new runs (the file stays incomplete)."""
+    ``max_runs`` stops after that many new runs (the file stays incomplete).
+
+    ``shard=(i, k)`` trains only the seeds at positions i, i + k, i + 2k, ... of the study's
+    seeds (whole seeds, so a shard's runs pair up by themselves): k processes, each with its own
+    ``out``, train the study together, and :func:`merge_studies` joins their files."""
     study = _study_with_seeds(name, seeds)
     settings = study.settings(size, size_settings)
     document = new_document(name, size, seeds, device, size_settings)
@@ -400,7 +404,9 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
         document["provenance"] = existing.get("provenance", document["provenance"])
     commit = provenance()["commit"]
     done = {_run_key(r) for r in document["runs"]}
-    todo = [c for c in study.cells(size, size_settings) if _run_key(c) not in done]
+    shard_seeds = study.seeds if shard is None else study.seeds[shard[0]::shard[1]]
+    todo = [c for c in study.cells(size, size_settings)
+            if _run_key(c) not in done and c["seed"] in shard_seeds]
     data = load_corpus()
     for i, cell in enumerate(todo):
         if max_runs is not None and i >= max_runs:
@@ -408,15 +414,70 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
         record = _run_record(study, cell, data, settings, commit, device)
         document["runs"].append(record)
         document["conditions"]["wall_seconds"] += round(record["seconds"])
-        seconds = [r["seconds"] for r in document["runs"] if "seconds" in r]
-        document["conditions"]["budget"] = (  # runs × measured seconds per run, on this machine
-            f"{document['conditions']['n_runs']} runs × {np.mean(seconds):.0f} s per run (mean of "
-            f"{len(seconds)}) = {document['conditions']['n_runs'] * np.mean(seconds) / 3600:.1f} h")
-        document["complete"] = len(document["runs"]) >= document["conditions"]["n_runs"]
+        _update_budget(document)
         if out is not None:
             _write_study(document, out, force=True)
     document["complete"] = len(document["runs"]) >= document["conditions"]["n_runs"]
     return document
+
+
+def _update_budget(document: dict) -> None:
+    """Set the document's ``budget`` (runs × the measured seconds per run, on this machine) and
+    ``complete`` (every run in) from its runs."""
+    conditions = document["conditions"]
+    seconds = [r["seconds"] for r in document["runs"] if "seconds" in r]
+    if seconds:
+        conditions["budget"] = (
+            f"{conditions['n_runs']} runs × {np.mean(seconds):.0f} s per run (mean of "
+            f"{len(seconds)}) = {conditions['n_runs'] * np.mean(seconds) / 3600:.1f} h")
+    document["complete"] = len(document["runs"]) >= conditions["n_runs"]
+
+
+#: Conditions that differ between the files of one study trained in parts (shards, resumed
+#: sessions): the time each part took. Everything else must agree for runs to be merged.
+_PER_PART_CONDITIONS = ("wall_seconds", "budget")
+
+
+def merge_studies(paths, out: str | Path | None = None) -> dict:
+    """One study document from the files at ``paths`` (the shards of ``run_study(...,
+    shard=...)``, or parts trained elsewhere): the union of their runs in the study's cell
+    order, the wall seconds summed, the provenance of the first file. ``ValueError`` unless every
+    file holds the same study, size, thresholds and conditions (model, steps, seeds, machine:
+    the numeric path a rerun needs) and a run present in two files is the same record in both
+    (whatever its seconds). With ``out``, the document is written there."""
+    documents = [json.loads(Path(p).read_text()) for p in paths]
+    if not documents:
+        raise ValueError("no study files to merge")
+    first = documents[0]
+
+    def fixed(document):
+        return {"study": document["study"], "size": document["size"],
+                "thresholds": document["thresholds"],
+                **{f"conditions.{k}": v for k, v in document["conditions"].items()
+                   if k not in _PER_PART_CONDITIONS}}
+
+    for path, document in zip(paths, documents):
+        theirs, ours = fixed(document), fixed(first)
+        differing = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+        if differing:
+            raise ValueError(f"{path} differs from {paths[0]} in {', '.join(differing)}")
+    runs = {}
+    for path, document in zip(paths, documents):
+        for record in document["runs"]:
+            key = _run_key(record)
+            without_time = {k: v for k, v in record.items() if k != "seconds"}
+            if key in runs and {k: v for k, v in runs[key].items() if k != "seconds"} != without_time:
+                raise ValueError(f"run {key} differs between the files (found again in {path})")
+            runs.setdefault(key, record)
+    study = _study_with_seeds(first["study"], first["conditions"]["seeds"])
+    order = {_run_key(c): i for i, c in enumerate(study.cells(first["size"]))}
+    merged = {**first, "conditions": dict(first["conditions"]),
+              "runs": sorted(runs.values(), key=lambda r: order[_run_key(r)])}
+    merged["conditions"]["wall_seconds"] = sum(d["conditions"].get("wall_seconds", 0) for d in documents)
+    _update_budget(merged)
+    if out is not None:
+        _write_study(merged, out)
+    return merged
 
 
 def _get_study(name: str) -> Study:
@@ -560,8 +621,8 @@ def study_table(document: dict):
 
 
 def add_cli(subparsers):
-    """Register ``normtools lab run STUDY``, ``lab probe PROBE``, ``lab rerun FILE`` and
-    ``lab list``."""
+    """Register ``normtools lab run STUDY``, ``lab probe PROBE``, ``lab rerun FILE``,
+    ``lab merge OUT PARTS...`` and ``lab list``."""
     parser = subparsers.add_parser("lab", help="the stability lab's committed studies",
                                    description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="lab_command", required=True)
@@ -573,6 +634,9 @@ def add_cli(subparsers):
     run.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     run.add_argument("--max-runs", type=positive_int, default=None,
                      help="stop after this many new runs (rerun the command to resume)")
+    run.add_argument("--shard", type=_shard, default=None, metavar="I/K",
+                     help="train only seeds I, I+K, I+2K, ... of the study's (0 <= I < K), into "
+                          "its own --out; 'normtools lab merge' joins the K files")
     run.add_argument("--device", default="cpu", type=device_name)
     run.add_argument("--out", default=None, help="output path (default book/data/studies/STUDY.json"
                                                  " for size cpu, STUDY-SIZE.json otherwise)")
@@ -594,6 +658,10 @@ def add_cli(subparsers):
                        help="train in this process and print the configuration, the record and the "
                             "CPU capability as JSON (without it: in a process on the committed path)")
     again.set_defaults(func=_rerun_cli)
+    merge = commands.add_parser("merge", help="join the files of one study trained in parts")
+    merge.add_argument("out", help="the study file to write, e.g. book/data/studies/related.json")
+    merge.add_argument("parts", nargs="+", help="the files of the parts (shards)")
+    merge.set_defaults(func=_merge_cli)
     listing = commands.add_parser("list", help="the studies and what each asks")
     listing.set_defaults(func=_list_cli)
     return parser
@@ -604,7 +672,8 @@ def _run_cli(args) -> int:
     seeds = range(args.seeds) if args.seeds is not None else None
     suffix = "" if args.size == "cpu" else f"-{args.size}"
     path = Path(args.out or _DEFAULT_DIR / f"{args.study}{suffix}.json")
-    document = run_study(args.study, args.size, seeds, args.device, out=path, max_runs=args.max_runs)
+    document = run_study(args.study, args.size, seeds, args.device, out=path, max_runs=args.max_runs,
+                         shard=args.shard)
     state = "complete" if document["complete"] else "incomplete (rerun the command to resume)"
     print(f"{args.study}: {len(document['runs'])} of {document['conditions']['n_runs']} runs, "
           f"{document['conditions']['wall_seconds']} s of training -> {path}, {state}")
@@ -617,6 +686,23 @@ def _probe_cli(args) -> int:
     document = run_init_probe(args.probe, out=path)
     print(f"{args.probe}: {len(document['runs'])} rows, {document['conditions']['wall_seconds']} s -> "
           f"{path}, {'complete' if document['complete'] else 'incomplete (rerun to resume)'}")
+    return 0
+
+
+def _shard(text: str) -> tuple[int, int]:
+    """An argparse ``type``: "I/K" with 0 <= I < K."""
+    index, _, count = text.partition("/")
+    index, count = int(index), int(count)
+    if not 0 <= index < count:
+        raise ValueError(f"{text}: expected I/K with 0 <= I < K")
+    return index, count
+
+
+def _merge_cli(args) -> int:
+    document = merge_studies(args.parts, out=args.out)
+    state = "complete" if document["complete"] else "incomplete"
+    print(f"{document['study']}: {len(document['runs'])} of {document['conditions']['n_runs']} runs "
+          f"from {len(args.parts)} files -> {args.out}, {state}")
     return 0
 
 

@@ -133,6 +133,17 @@ def paired_by_seed(table, metric: str, baseline: dict, arm: dict):
     return a.loc[seeds].to_numpy(dtype=float), b.loc[seeds].to_numpy(dtype=float)
 
 
+def compare_by_seed(table, metric: str, baseline: str | dict, arm: str | dict,
+                    column: str = "variant", *, log: bool = False,
+                    thresholds: dict | None = None) -> dict:
+    """:func:`compare_paired` of ``metric`` for ``arm`` against ``baseline``, paired by seed
+    (:func:`paired_by_seed`): each side the rows whose ``column`` has that value, or a dict of
+    column values (e.g. ``{"variant": "QK-Norm", "lr": 1.0}``)."""
+    a, b = paired_by_seed(table, metric, *(side if isinstance(side, dict) else {column: side}
+                                           for side in (baseline, arm)))
+    return compare_paired(a, b, log=log, thresholds=thresholds)
+
+
 def run_outcome(final_loss: float, unigram_loss: float, stall_margin: float = 0.05,
                 diverged: bool = False) -> str:
     """"diverged" (``diverged`` or a non-finite final loss), "stalled" (final loss ≥ the
@@ -164,9 +175,7 @@ def paired_verdict(table, metric: str, arm: str | dict, baseline: str | dict,
     "Post-LN", "lr": 0.01}``), to compare two configurations: each design at its own learning
     rate. ``numbers=False``: the verdict, n and the sign test's p only (for runs trained live,
     whose last digits move from machine to machine)."""
-    a, b = paired_by_seed(table, metric, *(side if isinstance(side, dict) else {column: side}
-                                           for side in (baseline, arm)))
-    result = compare_paired(a, b, log=log, thresholds=thresholds)
+    result = compare_by_seed(table, metric, baseline, arm, column, log=log, thresholds=thresholds)
     if not numbers:
         return f"{result['verdict']} (n = {result['n']}, sign test p = {result['p_sign']:.2g})"
     return verdict_text(result, unit, fmt)

@@ -85,6 +85,33 @@ def test_cli_writes_and_resumes_a_study(tmp_path):
     assert set(table["variant"]) == set(studies.STUDIES["precision"].variants)
 
 
+def test_shards_merge_into_the_study_trained_whole(tmp_path):
+    """Two shards (whole seeds each) merged give the runs of one unsharded process, in its
+    order; a part from another size, or a run that differs between parts, is refused."""
+    base = ["lab", "run", "precision", "--size", "test", "--seeds", "2"]
+    whole, parts = tmp_path / "whole.json", [tmp_path / f"part{i}.json" for i in range(2)]
+    assert cli.main(base + ["--out", str(whole)]) == 0
+    for i, part in enumerate(parts):
+        assert cli.main(base + ["--shard", f"{i}/2", "--out", str(part)]) == 0
+        assert {r["seed"] for r in json.loads(part.read_text())["runs"]} == {i}
+    merged = tmp_path / "merged.json"
+    assert cli.main(["lab", "merge", str(merged), *map(str, parts)]) == 0
+    strip = lambda doc: [{k: v for k, v in r.items() if k != "seconds"} for r in doc["runs"]]
+    expected, got = json.loads(whole.read_text()), json.loads(merged.read_text())
+    assert got["complete"] and strip(got) == strip(expected)
+    assert got["conditions"]["wall_seconds"] == sum(json.loads(p.read_text())["conditions"]["wall_seconds"]
+                                                    for p in parts)
+    tampered = json.loads(parts[1].read_text())
+    tampered["runs"][0]["final_loss"] += 1.0
+    (tmp_path / "tampered.json").write_text(json.dumps(tampered))
+    with pytest.raises(ValueError, match="differs between the files"):
+        studies.merge_studies([whole, tmp_path / "tampered.json"])
+    other = {**tampered, "size": "cpu"}
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ValueError, match="in size"):
+        studies.merge_studies([parts[0], tmp_path / "other.json"])
+
+
 @pytest.mark.parametrize("name", sorted(studies.INIT_PROBES))
 def test_committed_init_probe_is_complete_and_reproduces(name):
     """Every (variant, placement, depth, seed, layer) of the probe is in the committed file, with

@@ -114,3 +114,14 @@ def test_paired_verdict_compares_two_configurations_given_as_column_values():
     # the same designs at one rate (B's 0.01) read the other way
     assert verdicts.paired_verdict(table, "loss", {"design": "B", "lr": 0.01},
                                    {"design": "A", "lr": 0.01}).startswith("higher")
+
+
+def test_compare_by_seed_pairs_a_study_table_by_variant():
+    """A study's table (column "variant"): arm minus baseline per seed, the seeds in any order
+    and a seed only one side has left out; log=True compares log10 of the values."""
+    rows = [("a", s, 10.0 ** s) for s in (2, 0, 1, 3)] + [("b", s, 10.0 ** (s + 2)) for s in (1, 2, 0, 5)]
+    table = pd.DataFrame(rows, columns=["variant", "seed", "peak"])
+    result = verdicts.compare_by_seed(table, "peak", "a", "b", log=True)
+    assert result["n"] == 3 and result["effect"] == pytest.approx(2.0)
+    plain = verdicts.compare_by_seed(table, "peak", "a", "b")
+    assert plain["effect"] == pytest.approx(np.mean([100.0 - 1.0, 1000.0 - 10.0, 10000.0 - 100.0]))
