@@ -1,5 +1,6 @@
 # normbook: two commands do all setup on a fresh machine.
-#   make book   execute every chapter headless (papermill), then build the HTML in _build/html
+#   make book   execute every chapter headless (papermill, two at a time), then build the HTML
+#               in _build/html
 #   make test   unit tests + nbval over every chapter (stored outputs must match re-execution)
 #   make notebooks   re-execute the chapters in place, refreshing their stored outputs (and the
 #                    Colab edition, `make colab`)
@@ -61,17 +62,18 @@ lock:
 # --- the book ---------------------------------------------------------------------------
 # Chapters are executed into a copy of the book's sources under _build/src, so the stored
 # notebooks (and `git status`) are untouched; Sphinx then renders that copy, executing nothing.
+# BOOK_WORKERS chapters run at once (each in its own kernel; a failing one fails the build);
+# their timings then record it, and the time-budget test judges their CPU seconds.
+BOOK_WORKERS ?= 2
 book: execute html
 
 execute: $(STAMP)
 	rm -rf $(BUILD_SRC)
 	mkdir -p $(BUILD_SRC)
 	cp -r _config.yml _toc.yml book kernels bench $(BUILD_SRC)/
-	set -e; for nb in $(CHAPTERS); do \
-	  echo "executing $$nb"; \
-	  $(VPY) -m normtools.book.build execute $$nb $(BUILD_SRC)/$$nb --cell-timeout $(CELL_TIMEOUT) \
-	    --times $(CHAPTER_TIMES); \
-	done
+	printf '%s\n' $(CHAPTERS) | xargs -P $(BOOK_WORKERS) -I CHAPTER \
+	  $(VPY) -m normtools.book.build execute CHAPTER $(BUILD_SRC)/CHAPTER \
+	    --cell-timeout $(CELL_TIMEOUT) --times $(CHAPTER_TIMES) --side-by-side $(BOOK_WORKERS)
 
 html: $(STAMP) diagrams
 	test -d $(BUILD_SRC) || { echo "run 'make execute' first"; exit 1; }
@@ -114,12 +116,13 @@ atlas: $(STAMP)
 NBVAL_ARGS := --nbval --nbval-current-env --nbval-sanitize-with $(CURDIR)/tests/nbval_sanitize.cfg \
   --nbval-cell-timeout $(CELL_TIMEOUT)
 # Test files and chapters run in TEST_WORKERS processes (pytest-xdist), each file whole in one of
-# them (a chapter's cells share one kernel; a module's fixtures run once). 0: one process.
+# them (a chapter's cells share one kernel; a module's fixtures run once). 0: one process. The
+# chapters, the longest files, go first, so that neither process is left with one at the end.
 TEST_WORKERS ?= 2
 XDIST_ARGS := $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadfile)
 
 test: $(STAMP)
-	$(VPY) -m pytest tests $(CHAPTERS) $(NBVAL_ARGS) $(XDIST_ARGS) -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
+	$(VPY) -m pytest $(CHAPTERS) tests $(NBVAL_ARGS) $(XDIST_ARGS) -p no:cacheprovider --durations=20 $(PYTEST_ARGS)
 
 # nbval alone: re-execute every chapter and compare with the stored outputs (NBVAL_ENV: extra
 # environment for the run).

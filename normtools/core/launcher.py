@@ -52,9 +52,8 @@ def resolve_backend(backend, device):
     ``TRITON_INTERPRET=1``; "torch" and "triton" are returned unchanged."""
     if backend != "auto":
         return backend
-    if torch.device(device).type == "cuda" or _interpreter_requested():
-        return "triton"
-    return "torch"
+    kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    return "triton" if kind == "cuda" or _interpreter_requested() else "torch"
 
 
 def plan_for(kernel, dtype, m, n, device, slots=1):
