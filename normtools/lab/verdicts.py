@@ -116,10 +116,10 @@ def verdict_text(result: dict, unit: str = "", fmt: str = "{:+.3g}") -> str:
     return f"{result['verdict']}: {interval}, sign test p = {result['p_sign']:.2g} (n = {result['n']})"
 
 
-def paired_by_seed(table, metric: str, baseline: dict, arm: dict):
+def paired_by_seed(table, metric: str, baseline: dict, arm: dict, min_seeds: int = 2):
     """(baseline values, arm values) of ``metric`` for the seeds present in both selections of
     ``table`` (rows whose columns equal each dict's values, e.g. ``{"variant": "Pre-LN",
-    "lr": 0.1}``), in seed order."""
+    "lr": 0.1}``), in seed order; ``ValueError`` with fewer than ``min_seeds`` such seeds."""
     def select(match):
         rows = table
         for k, v in match.items():
@@ -128,8 +128,9 @@ def paired_by_seed(table, metric: str, baseline: dict, arm: dict):
 
     a, b = select(baseline), select(arm)
     seeds = sorted(set(a.index) & set(b.index))
-    if len(seeds) < 2:
-        raise ValueError(f"fewer than 2 seeds in both {baseline} and {arm}")
+    if len(seeds) < min_seeds:
+        found = "no seed" if not seeds else f"{len(seeds)} seed(s), fewer than {min_seeds},"
+        raise ValueError(f"{found} in both {baseline} and {arm}")
     return a.loc[seeds].to_numpy(dtype=float), b.loc[seeds].to_numpy(dtype=float)
 
 
@@ -138,9 +139,10 @@ def compare_by_seed(table, metric: str, baseline: str | dict, arm: str | dict,
                     thresholds: dict | None = None) -> dict:
     """:func:`compare_paired` of ``metric`` for ``arm`` against ``baseline``, paired by seed
     (:func:`paired_by_seed`): each side the rows whose ``column`` has that value, or a dict of
-    column values (e.g. ``{"variant": "QK-Norm", "lr": 1.0}``)."""
+    column values (e.g. ``{"variant": "QK-Norm", "lr": 1.0}``). One seed in both gives "not
+    shown" (a size="gpu" run of one seed); none, a ``ValueError``."""
     a, b = paired_by_seed(table, metric, *(side if isinstance(side, dict) else {column: side}
-                                           for side in (baseline, arm)))
+                                           for side in (baseline, arm)), min_seeds=1)
     return compare_paired(a, b, log=log, thresholds=thresholds)
 
 

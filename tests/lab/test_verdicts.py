@@ -125,3 +125,7 @@ def test_compare_by_seed_pairs_a_study_table_by_variant():
     assert result["n"] == 3 and result["effect"] == pytest.approx(2.0)
     plain = verdicts.compare_by_seed(table, "peak", "a", "b")
     assert plain["effect"] == pytest.approx(np.mean([100.0 - 1.0, 1000.0 - 10.0, 10000.0 - 100.0]))
+    one = verdicts.compare_by_seed(table[table["seed"] == 0], "peak", "a", "b", log=True)
+    assert one["n"] == 1 and one["verdict"] == "not shown" and one["effect"] == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="no seed in both"):
+        verdicts.compare_by_seed(table, "peak", "a", "typo")
