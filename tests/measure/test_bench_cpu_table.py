@@ -152,3 +152,19 @@ def test_held_memory_keeps_a_freed_block_in_the_heap():
     if heap_free_bytes("default") >= 8 << 20:
         pytest.skip("this C library already keeps the block: nothing to hold")
     assert heap_free_bytes("hold") >= 8 << 20
+
+
+def test_every_contender_takes_every_position_in_the_rounds():
+    """time_interleaved shuffles the order of each round (seeded): each contender is timed once a
+    round, comes first in some rounds and last in others, and the same seed gives the same order."""
+    def orders(seed):
+        seen = []
+        calls = {name: (lambda name=name: seen.append(name)) for name in "abcd"}
+        times = cpu_table.time_interleaved(calls, reps=40, warmup=0, seed=seed)
+        assert {name: len(t) for name, t in times.items()} == dict.fromkeys("abcd", 40)
+        return [seen[i:i + 4] for i in range(0, len(seen), 4)]
+
+    rounds = orders(0)
+    assert all(sorted(r) == list("abcd") for r in rounds)
+    assert {r[0] for r in rounds} == set("abcd") and {r[-1] for r in rounds} == set("abcd")
+    assert orders(0) == rounds and orders(1) != rounds
