@@ -210,13 +210,14 @@ class _TorchRMSNorm(torch.autograd.Function):
         return (*rms_norm_backward_reference(dy, x, weight, rstd, ctx.offset), None, None, None)
 
 
-# A float32 input of at least this many elements takes the analytic backward (_TorchRMSNorm):
-# there autograd of the operations made forward + backward 0.9-1.2x the HF module's time at
-# 256-512 x 4096 and the analytic backward makes it about 0.6x; on smaller rows (64 x 256,
-# 8 x 4096, 256 x 64) the autograd function's Python overhead costs more than the passes it
-# saves (1.1-1.5x against autograd's 0.8-0.95x). bfloat16 stays on autograd: the backward's
-# float32 casts cost more than they save there (1.0-1.35x against 0.9-1.1x at the large rows).
-# Measured with normtools bench's cpu_table, one thread, contenders interleaved (issue 35).
+# A float32 input of at least this many elements takes the analytic backward (_TorchRMSNorm).
+# Forward + backward against the HF module, RMSNorm and add+RMSNorm (cpu_table's harness, its
+# contenders in a shuffled order, one thread, 150 rounds, AVX-512 EPYC): analytic 0.88-0.93x
+# at 256 x 1024 and 0.68-0.80x at 256 x 4096, against autograd's 0.99-1.05x; on smaller rows
+# (64 x 256, 256 x 64) the autograd function's Python overhead costs more than the passes it
+# saves (1.10-1.12x against autograd's 0.98-1.02x). bfloat16 stays on autograd: the backward's
+# float32 casts cost more than they save there (1.0-1.35x against 0.9-1.1x at the large rows,
+# measured earlier with the contenders in a fixed order, issue 35).
 ANALYTIC_BACKWARD_MIN_ELEMENTS = 256 * 1024
 
 
