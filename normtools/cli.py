@@ -12,7 +12,7 @@ from normtools.core.command_line import Parser, run_command
 # Each subcommand lives next to the code it drives; the module exposes
 # ``add_cli(subparsers)``, which registers its parser and sets ``func`` (args -> exit code).
 # Errors propagate to run_command, the one error path.
-_COMMAND_MODULES = ("normtools.cards.cli", "normtools.measure.bench", "normtools.lab.studies")
+_COMMAND_MODULES = ("normtools.cards.cli", "normtools.measure.bench", "normtools.lab.study_cli")
 
 
 def build_parser() -> Parser:

@@ -2,8 +2,8 @@
 exceed a chapter's 2-minute budget.
 
 A study is a set of TinyLM training runs (variants × learning rates × seeds) at one ``size``
-of :data:`normtools.lab.grid.STABILITY_SIZES`. ``normtools lab run STUDY`` trains it and
-writes one JSON file (default ``book/data/studies/STUDY.json``) with the conditions (model,
+of :data:`normtools.lab.grid.STABILITY_SIZES`. :func:`run_study` (``normtools lab run STUDY``)
+trains it and writes one JSON file (default ``book/data/studies/STUDY.json``) with the conditions (model,
 steps, batch, seeds, optimizer, precision, versions, machine, threads, wall time) and one record
 per run: the cell, the summary of :func:`normtools.lab.grid.summarize`, the last step's
 per-layer values and the per-step curves of :data:`_CURVES`. The statistics' settings
@@ -17,11 +17,10 @@ every run is in. Losses are evaluated on the whole validation split in float32
 (:func:`normtools.lab.train.evaluate` with ``"all"``), whatever the training precision, and every
 norm runs on the torch backend (``backend="torch"``, whatever ``TRITON_INTERPRET`` says).
 
-The chapter renders that file with :func:`load_study`; :func:`rerun` trains one committed
-seed of one configuration again (:func:`rerun_on_committed_path`: in a process held to the
-committed machine's CPU kernels, where the run repeats exactly) and :func:`compare_rerun` is a
-**reproducibility check** (same seed, float tolerance), not evidence: the evidence is the paired comparison over the seeds
-(:mod:`normtools.lab.verdicts`).
+The chapter renders that file with :func:`load_study`; :mod:`normtools.lab.reproduce` trains
+one committed seed again and compares it (a reproducibility check, not evidence: the evidence
+is the paired comparison over the seeds, :mod:`normtools.lab.verdicts`), and
+:mod:`normtools.lab.study_cli` is the ``normtools lab`` command.
 
 ``size="gpu"`` runs the same study at the larger settings (write it to another file).
 """
@@ -30,9 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +38,6 @@ import numpy as np
 import torch
 
 from normtools.core import sysinfo
-from normtools.core.command_line import device_name, positive_int
 from normtools.lab import grid, train
 from normtools.lab.data import CORPUS_SHA256, load_corpus
 from normtools.lab.designs import DESIGNS, TRAINED_DESIGNS
@@ -50,15 +46,6 @@ from normtools.lab.verdicts import DEFAULT_THRESHOLDS
 
 #: Per-step records kept in the JSON (rounded to 4 significant digits).
 _CURVES = ("loss", "grad_norm", "logit_max", "log_z")
-
-#: Where ``normtools lab run`` writes a study by default (relative to the repository root).
-_DEFAULT_DIR = Path("book") / "data" / "studies"
-
-#: Relative tolerance of :func:`compare_rerun`'s reproducibility check, per metric: a re-run of
-#: a committed seed on the torch backend, on the committed CPU kernels and thread count
-#: (:func:`rerun_on_committed_path`), reproduces its losses up to float rounding. Chaotic
-#: quantities (peak logits) are not checked: a rounding difference grows along the run.
-REPRODUCTION_RTOL = {"initial_loss": 1e-4, "final_loss": 1e-3}
 
 #: Every study's norms run on this backend (the torch reference path: a rerun reproduces).
 STUDY_BACKEND = "torch"
@@ -295,7 +282,7 @@ def _round(v, digits: int = 4):
     return v
 
 
-def _run_record(study: Study, cell: dict, data, settings: dict, commit: str | None,
+def run_record(study: Study, cell: dict, data, settings: dict, commit: str | None,
                 device="cpu") -> dict:
     """Train one ``cell`` of ``study`` (with its ``variant`` label) at ``settings``
     (:meth:`Study.settings`) on the torch backend, evaluated on the whole validation split in
@@ -362,7 +349,7 @@ def new_document(name: str, size: str = "cpu", seeds=None, device="cpu",
 
 
 def _study_with_seeds(name: str, seeds=None) -> Study:
-    study = _get_study(name)
+    study = get_study(name)
     if seeds is not None:
         study = Study(**{**study.__dict__, "seeds": tuple(int(s) for s in seeds)})
     return study
@@ -411,7 +398,7 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
     for i, cell in enumerate(todo):
         if max_runs is not None and i >= max_runs:
             break
-        record = _run_record(study, cell, data, settings, commit, device)
+        record = run_record(study, cell, data, settings, commit, device)
         document["runs"].append(record)
         document["conditions"]["wall_seconds"] += round(record["seconds"])
         _update_budget(document)
@@ -480,7 +467,7 @@ def merge_studies(paths, out: str | Path | None = None) -> dict:
     return merged
 
 
-def _get_study(name: str) -> Study:
+def get_study(name: str) -> Study:
     if name not in STUDIES:
         raise ValueError(f"unknown study {name!r}; expected one of {', '.join(STUDIES)}")
     return STUDIES[name]
@@ -522,84 +509,6 @@ def load_init_probe(path: str | Path) -> tuple[dict, "pandas.DataFrame"]:
     return document, pd.DataFrame(document["runs"])
 
 
-def rerun(document: dict, variant: str | None = None, lr: float | None = None,
-          seed: int | None = None, data=None) -> tuple[dict, dict]:
-    """Train one committed seed of one configuration of a study again (default: the study's
-    ``check`` configuration), on the study's numeric path (torch backend, float32 evaluation of
-    the whole split); returns (the configuration chosen, the re-run's JSON record)."""
-    study = _get_study(document["study"])
-    chosen = {**study.check, **{k: v for k, v in (("variant", variant), ("lr", lr), ("seed", seed))
-                                if v is not None}}
-    cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
-            "variant": chosen["variant"]}
-    settings = study.settings(document["size"])
-    return chosen, _run_record(study, cell, data or load_corpus(), settings, provenance()["commit"])
-
-
-#: oneDNN's instruction-set cap (``ONEDNN_MAX_CPU_ISA``) that goes with ATen's CPU capability:
-#: oneDNN picks its own kernels (bfloat16 matmuls, for one) by what the CPU offers, whatever ATen
-#: was told. A capability not listed leaves oneDNN uncapped.
-_ONEDNN_ISA = {"DEFAULT": "SSE41", "AVX2": "AVX2"}
-
-
-def numeric_path_environment(machine: dict) -> dict:
-    """Environment variables that hold a fresh process to the CPU kernels of ``machine`` (a
-    committed study's ``conditions["machine"]``): ``ATEN_CPU_CAPABILITY`` (ATen's vectorized
-    kernels: DEFAULT, AVX2, AVX512 sum in other orders) and ``ONEDNN_MAX_CPU_ISA``. Both are read
-    once, when the process first dispatches, so they need a new process; a CPU without the
-    capability runs its fallback (:func:`rerun_on_committed_path` reports which ran)."""
-    capability = machine["aten_cpu_capability"]
-    env = {"ATEN_CPU_CAPABILITY": capability.lower()}
-    if capability in _ONEDNN_ISA:
-        env["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA[capability]
-    return env
-
-
-def rerun_on_committed_path(path: str | Path, variant: str | None = None, lr: float | None = None,
-                            seed: int | None = None) -> tuple[dict, dict, str]:
-    """:func:`rerun` of the committed study at ``path`` in a fresh Python process held to the
-    committed machine's numeric path (:func:`numeric_path_environment`, its torch thread count).
-
-    A training run is chaotic in the last bits: trained on another CPU path (an AVX-512 machine
-    for a study committed on AVX2) a seed's final loss moves by about 1 %, past any float
-    tolerance, while on the committed path it is reproduced exactly. Returns (the configuration
-    chosen, the re-run's record, the ATen capability the process ran with: the committed one
-    unless this CPU lacks it)."""
-    path = Path(path)
-    machine = json.loads(path.read_text())["conditions"]["machine"]
-    argv = [sys.executable, "-m", "normtools", "lab", "rerun", str(path), "--json",
-            "--threads", str(machine["torch_threads"])]
-    for flag, value in (("--variant", variant), ("--lr", lr), ("--seed", seed)):
-        if value is not None:
-            argv += [flag, str(value)]
-    env = {**os.environ, **numeric_path_environment(machine)}
-    out = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout)
-    return out["chosen"], out["record"], out["aten_cpu_capability"]
-
-
-def compare_rerun(document: dict, chosen: dict, record: dict,
-                  metrics=tuple(REPRODUCTION_RTOL)) -> "pandas.DataFrame":
-    """The reproducibility check: one row per metric with the committed value of the same run
-    (``chosen``: variant, lr, seed), the re-run's value, their relative difference and
-    ``reproduced``: whether it is within :data:`REPRODUCTION_RTOL`. It checks the code and the
-    machine, not the claim: a re-run of a committed seed is not a new observation."""
-    import pandas as pd
-
-    _, table = study_table(document)
-    same = table[(table["variant"] == chosen["variant"]) & np.isclose(table["lr"], chosen["lr"])
-                 & (table["seed"] == chosen["seed"])]
-    if same.empty:
-        raise ValueError(f"the committed study has no run of {chosen}")
-    rows = []
-    for metric in metrics:
-        committed, value = float(same[metric].iloc[0]), float(record[metric])
-        rtol = REPRODUCTION_RTOL.get(metric, 1e-3)
-        rows.append({"metric": metric, "committed": committed, "rerun": value,
-                     "relative_difference": abs(value - committed) / abs(committed),
-                     "rtol": rtol, "reproduced": bool(np.isclose(value, committed, rtol=rtol, atol=0))})
-    return pd.DataFrame(rows)
-
-
 def study_table(document: dict):
     """(document, runs table) of an already loaded document (see :func:`load_study`). The table
     has one row per run, its scalar fields, and ``clipped_steps``: the steps after warm-up that
@@ -618,116 +527,6 @@ def study_table(document: dict):
                                 if clip is not None and curve is not None else np.nan)
         rows.append(row)
     return document, pd.DataFrame(rows)
-
-
-def add_cli(subparsers):
-    """Register ``normtools lab run STUDY``, ``lab probe PROBE``, ``lab rerun FILE``,
-    ``lab merge OUT PARTS...`` and ``lab list``."""
-    parser = subparsers.add_parser("lab", help="the stability lab's committed studies",
-                                   description=__doc__.split("\n\n")[0])
-    commands = parser.add_subparsers(dest="lab_command", required=True)
-    run = commands.add_parser("run", help="train a study and write its JSON")
-    run.add_argument("study", choices=sorted(STUDIES))
-    run.add_argument("--size", default="cpu", choices=sorted(grid.STABILITY_SIZES))
-    run.add_argument("--seeds", type=positive_int, default=None,
-                     help="number of seeds S, trained as seeds 0 to S-1 (default: the study's)")
-    run.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
-    run.add_argument("--max-runs", type=positive_int, default=None,
-                     help="stop after this many new runs (rerun the command to resume)")
-    run.add_argument("--shard", type=_shard, default=None, metavar="I/K",
-                     help="train only seeds I, I+K, I+2K, ... of the study's (0 <= I < K), into "
-                          "its own --out; 'normtools lab merge' joins the K files")
-    run.add_argument("--device", default="cpu", type=device_name)
-    run.add_argument("--out", default=None, help="output path (default book/data/studies/STUDY.json"
-                                                 " for size cpu, STUDY-SIZE.json otherwise)")
-    run.set_defaults(func=_run_cli)
-    probe = commands.add_parser("probe", help="run a committed probe at initialization (no training)")
-    probe.add_argument("probe", choices=sorted(INIT_PROBES))
-    probe.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
-    probe.add_argument("--out", default=None, help="output path (default book/data/studies/PROBE.json)")
-    probe.set_defaults(func=_probe_cli)
-    again = commands.add_parser("rerun", help="train one committed seed again and compare (a "
-                                              "reproducibility check)")
-    again.add_argument("file", help="a committed study, e.g. book/data/studies/placements.json")
-    again.add_argument("--variant", default=None, help="default: the study's check configuration")
-    again.add_argument("--lr", type=float, default=None)
-    again.add_argument("--seed", type=int, default=None)
-    again.add_argument("--threads", type=positive_int, default=1,
-                       help="with --json: torch CPU threads (default 1)")
-    again.add_argument("--json", action="store_true",
-                       help="train in this process and print the configuration, the record and the "
-                            "CPU capability as JSON (without it: in a process on the committed path)")
-    again.set_defaults(func=_rerun_cli)
-    merge = commands.add_parser("merge", help="join the files of one study trained in parts")
-    merge.add_argument("out", help="the study file to write, e.g. book/data/studies/related.json")
-    merge.add_argument("parts", nargs="+", help="the files of the parts (shards)")
-    merge.set_defaults(func=_merge_cli)
-    listing = commands.add_parser("list", help="the studies and what each asks")
-    listing.set_defaults(func=_list_cli)
-    return parser
-
-
-def _run_cli(args) -> int:
-    torch.set_num_threads(args.threads)
-    seeds = range(args.seeds) if args.seeds is not None else None
-    suffix = "" if args.size == "cpu" else f"-{args.size}"
-    path = Path(args.out or _DEFAULT_DIR / f"{args.study}{suffix}.json")
-    document = run_study(args.study, args.size, seeds, args.device, out=path, max_runs=args.max_runs,
-                         shard=args.shard)
-    state = "complete" if document["complete"] else "incomplete (rerun the command to resume)"
-    print(f"{args.study}: {len(document['runs'])} of {document['conditions']['n_runs']} runs, "
-          f"{document['conditions']['wall_seconds']} s of training -> {path}, {state}")
-    return 0
-
-
-def _probe_cli(args) -> int:
-    torch.set_num_threads(args.threads)
-    path = Path(args.out or _DEFAULT_DIR / f"{args.probe}.json")
-    document = run_init_probe(args.probe, out=path)
-    print(f"{args.probe}: {len(document['runs'])} rows, {document['conditions']['wall_seconds']} s -> "
-          f"{path}, {'complete' if document['complete'] else 'incomplete (rerun to resume)'}")
-    return 0
-
-
-def _shard(text: str) -> tuple[int, int]:
-    """An argparse ``type``: "I/K" with 0 <= I < K."""
-    index, _, count = text.partition("/")
-    index, count = int(index), int(count)
-    if not 0 <= index < count:
-        raise ValueError(f"{text}: expected I/K with 0 <= I < K")
-    return index, count
-
-
-def _merge_cli(args) -> int:
-    document = merge_studies(args.parts, out=args.out)
-    state = "complete" if document["complete"] else "incomplete"
-    print(f"{document['study']}: {len(document['runs'])} of {document['conditions']['n_runs']} runs "
-          f"from {len(args.parts)} files -> {args.out}, {state}")
-    return 0
-
-
-def _rerun_cli(args) -> int:
-    """``--json``: train here and print (the process the parent pinned). Otherwise train in a
-    process held to the committed numeric path and print the comparison."""
-    document = json.loads(Path(args.file).read_text())
-    if args.json:
-        torch.set_num_threads(args.threads)
-        chosen, record = rerun(document, args.variant, args.lr, args.seed)
-        print(json.dumps({"chosen": chosen, "record": record,
-                          "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}))
-        return 0
-    chosen, record, capability = rerun_on_committed_path(args.file, args.variant, args.lr, args.seed)
-    machine = document["conditions"]["machine"]
-    print(f"{document['study']}: {chosen}, on ATen {capability} with {machine['torch_threads']} "
-          f"thread(s) (committed on {machine['aten_cpu_capability']})")
-    print(compare_rerun(document, chosen, record).to_string(index=False))
-    return 0
-
-
-def _list_cli(args) -> int:
-    for name, study in STUDIES.items():
-        print(f"{name}: {study.question}")
-    return 0
 
 
 def median_range(table, metrics, by, fmt: str = "{:.3g}") -> "pandas.DataFrame":

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from normtools import cli
-from normtools.lab import probes, studies
+from normtools.lab import probes, reproduce, studies
 from normtools.lab.data import CORPUS_SHA256, load_corpus
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -55,18 +55,18 @@ def test_committed_study_rerun_reproduces_its_losses(name):
     """On the committed machine's numeric path (ATen's CPU capability, oneDNN's ISA, threads):
     on another path a chaotic run drifts past float tolerance, so there is nothing to check."""
     document = committed(name)
-    chosen, record, capability = studies.rerun_on_committed_path(STUDY_DIR / f"{name}.json")
+    chosen, record, capability = reproduce.rerun_on_committed_path(STUDY_DIR / f"{name}.json")
     committed_on = document["conditions"]["machine"]["aten_cpu_capability"]
     if capability != committed_on:
         pytest.skip(f"this CPU cannot run {name}'s committed path (ATen {committed_on}; got {capability})")
-    check = studies.compare_rerun(document, chosen, record)
+    check = reproduce.compare_rerun(document, chosen, record)
     assert check["reproduced"].all(), check.to_string()
 
 
 def test_numeric_path_environment_names_atens_and_onednns_paths():
     """ATen's capability as its variable spells it; oneDNN capped to the same ISA where one
     matches (the rerun test above is what shows the pinning reproduces a committed seed)."""
-    env = studies.numeric_path_environment
+    env = reproduce.numeric_path_environment
     assert env({"aten_cpu_capability": "AVX2"}) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
     assert env({"aten_cpu_capability": "DEFAULT"}) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
     assert env({"aten_cpu_capability": "AVX512"}) == {"ATEN_CPU_CAPABILITY": "avx512"}

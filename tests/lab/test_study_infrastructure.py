@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from normtools.lab import studies
+from normtools.lab import reproduce, studies
 from normtools.lab.data import load_corpus
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.train import _make_optimizer, evaluate
@@ -107,12 +107,12 @@ def _mini_study():
 def test_a_study_resumes_where_it_stopped(tmp_path, monkeypatch):
     monkeypatch.setitem(studies.STUDIES, "mini", _mini_study())
     trained = []
-    real = studies._run_record
+    real = studies.run_record
 
     def counting(study, cell, *args, **kwargs):
         trained.append((cell["variant"], cell["seed"]))
         return real(study, cell, *args, **kwargs)
-    monkeypatch.setattr(studies, "_run_record", counting)
+    monkeypatch.setattr(studies, "run_record", counting)
     out = tmp_path / "mini.json"
     first = studies.run_study("mini", "test", out=out, max_runs=3)
     on_disk = json.loads(out.read_text())
@@ -143,13 +143,13 @@ def test_reproducibility_check_is_the_same_seed_at_float_tolerance(tmp_path, mon
     monkeypatch.setitem(studies.STUDIES, "mini", studies.Study(
         **{**_mini_study().__dict__, "check": {"variant": "b", "lr": 1e-2, "seed": 1}}))
     document = studies.run_study("mini", "test")
-    chosen, record = studies.rerun(document)
-    check = studies.compare_rerun(document, chosen, record)
+    chosen, record = reproduce.rerun(document)
+    check = reproduce.compare_rerun(document, chosen, record)
     assert check["reproduced"].all(), check.to_string()
     for run in document["runs"]:
         if (run["variant"], run["seed"]) == ("b", 1):
-            run["final_loss"] *= 1 + 5 * studies.REPRODUCTION_RTOL["final_loss"]
-    assert not studies.compare_rerun(document, chosen, record, metrics=("final_loss",))["reproduced"].any()
+            run["final_loss"] *= 1 + 5 * reproduce.REPRODUCTION_RTOL["final_loss"]
+    assert not reproduce.compare_rerun(document, chosen, record, metrics=("final_loss",))["reproduced"].any()
 
 
 def test_relu_mlp_is_the_original_ffn_with_4d_hidden_and_xavier_init():
