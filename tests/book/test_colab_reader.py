@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -107,7 +108,7 @@ def test_a_new_colab_reader_runs_every_chapter(tmp_path, monkeypatch):
     first, rest = EDITION[0], EDITION[1:]
     results = {first: _execute_chapter(first, clone.parent)}
     with ThreadPoolExecutor(max_workers=2) as pool:
-        results.update(zip(rest, pool.map(lambda chapter: _execute_chapter(chapter, clone.parent), rest)))
+        results.update(zip(rest, pool.map(partial(_execute_chapter, cwd=clone.parent), rest)))
     seconds = {chapter.stem: result[0] for chapter, result in results.items()}
     failures = {chapter.name: result[1] for chapter, result in results.items() if result[1]}
     cells = json.loads((REPORT / EDITION[0].name).read_text())["cells"]

@@ -21,7 +21,8 @@ it reproduces, per op, shape and dtype, with the contenders (``CONTENDERS``)
 Every op is timed forward (under ``torch.no_grad()``) and forward + backward (``_fwd_bwd``:
 the gradients of ⟨outputs, dy⟩ to every input and weight). The contenders of one case run
 interleaved, one call each per round in a random order (``time_interleaved``), on one input
-set (warm caches), so that a machine shared with other work slows them alike; the ratio of each p50 to hf-module's p50 is the result.
+set (warm caches), so that a machine shared with other work slows them alike; the ratio of each
+p50 to hf-module's p50 is the result.
 Run conditions (threads, torch version, the machine's load) are recorded with the rows.
 
 On glibc the run first keeps freed blocks of up to ``HELD_BLOCK_BYTES`` in the heap
