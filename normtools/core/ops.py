@@ -3,12 +3,10 @@
 The backend is a plain string argument:
 
 * "torch": plain PyTorch operations (normtools.core.reference), the forward equal to the HF
-  modules bit for bit. RMSNorm runs ``F.rms_norm`` (the same bits; autograd gives its
-  backward, ``torch.compile`` traces it), except that a large float32 input with a gradient
-  to record takes the reference forward and the analytic float32 backward in an autograd
-  function (``_TorchRMSNorm``, ``ANALYTIC_BACKWARD_MIN_ELEMENTS``: why there); LayerNorm
-  always does when a gradient is recorded (``_TorchLayerNorm``: why there); under
-  ``torch.compile`` both analytic backwards run as the custom op's torch branch;
+  modules bit for bit. RMSNorm runs ``F.rms_norm``'s op (the same bits); with a gradient to
+  record it saves the inverse RMS that op computes and runs the analytic float32 backward in an
+  autograd function (``_TorchRMSNorm``: why), and LayerNorm does the same (``_TorchLayerNorm``);
+  under ``torch.compile`` both run as the custom op's torch branch (``torch_rms_norm``);
 * "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors, behind a
   ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``,
   ``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so that
@@ -22,6 +20,7 @@ analytic float32 gradient (``*_backward_reference``).
 Inputs are checked (normtools.core.validate) before anything runs.
 """
 
+import os
 from typing import Optional
 
 import torch
@@ -31,14 +30,13 @@ from normtools._kernels import layer_norm as _ln
 from normtools._kernels import rms_norm as _rms
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
 from normtools.core.reference import (
-    inv_rms,
     layer_norm_apply,
     layer_norm_backward_reference,
     layer_norm_reference,
     layer_norm_statistics,
-    rms_norm_apply,
     rms_norm_backward_reference,
     rms_norm_native,
+    rms_norm_native_with_rstd,
     rms_norm_output_dtype,
 )
 
@@ -131,8 +129,7 @@ def _rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor
     if backend == "triton":
         return _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting)
     summed = x if residual is None else x + residual
-    rstd = inv_rms(summed, eps)
-    y = rms_norm_apply(summed, rstd, weight, offset, casting)
+    y, rstd = rms_norm_native_with_rstd(summed, weight, eps, offset, casting)
     return y, (x.new_empty(0) if residual is None else summed), rstd
 
 
@@ -184,25 +181,26 @@ _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setu
 
 
 class _TorchRMSNorm(torch.autograd.Function):
-    """RMSNorm on the torch backend, eager, when a gradient is recorded: the reference forward
-    (the HF module's operations, r = rsqrt(mean(x²) + eps) computed once and saved) and the
-    analytic float32 backward ``rms_norm_backward_reference``,
+    """RMSNorm on the torch backend, eager, when a gradient is recorded: the forward of
+    ``reference.rms_norm_native_with_rstd`` (torch's RMSNorm op, the HF module's bits, with the
+    inverse RMS r it computes saved) and the analytic float32 backward
+    ``rms_norm_backward_reference``,
 
         dx = r · (g − x̂ · mean(x̂ ⊙ g, -1)),  g = (offset + w) ⊙ dy,   dw = Σ_rows dy ⊙ x̂.
 
     Autograd of the module's operations (or of ``F.rms_norm``, the same operations on CPU)
-    runs one backward node per operation, each a pass over (M, N) tensors; where that costs
-    more than this function's Python overhead, ``ANALYTIC_BACKWARD_MIN_ELEMENTS`` says. Under
-    ``torch.compile`` the custom op's torch branch runs the same forward and backward
-    (``_rms_norm_torch``).
+    runs one backward node per operation, each a pass over (M, N) tensors and a dispatch:
+    about three times this backward's time at every shape and dtype of the CPU table (issue 35).
+    Under ``torch.compile`` the custom op's torch branch runs the same forward and backward
+    (``torch_rms_norm``).
     """
 
     @staticmethod
     def forward(ctx, x, weight, eps, offset, casting):
-        rstd = inv_rms(x, eps)
+        y, rstd = rms_norm_native_with_rstd(x, weight, eps, offset, casting)
         ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
-        return rms_norm_apply(x, rstd, weight, offset, casting)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
@@ -210,36 +208,29 @@ class _TorchRMSNorm(torch.autograd.Function):
         return (*rms_norm_backward_reference(dy, x, weight, rstd, ctx.offset), None, None, None)
 
 
-# A float32 input of at least this many elements takes the analytic backward (_TorchRMSNorm).
-# Forward + backward against the HF module, RMSNorm and add+RMSNorm (cpu_table's harness, its
-# contenders in a shuffled order, one thread, 150 rounds, AVX-512 EPYC): analytic 0.88-0.93x
-# at 256 x 1024 and 0.68-0.80x at 256 x 4096, against autograd's 0.99-1.05x; on smaller rows
-# (64 x 256, 256 x 64) the autograd function's Python overhead costs more than the passes it
-# saves (1.10-1.12x against autograd's 0.98-1.02x). bfloat16 stays on autograd: the backward's
-# float32 casts cost more than they save there (1.0-1.35x against 0.9-1.1x at the large rows,
-# measured earlier with the contenders in a fixed order, issue 35).
-ANALYTIC_BACKWARD_MIN_ELEMENTS = 256 * 1024
+#: How the torch backend differentiates RMSNorm eagerly: "analytic" (``_TorchRMSNorm``) or
+#: "autograd" (autograd of torch's RMSNorm op: the HF module's gradients bit for bit, at about
+#: three times the backward's time). Read from the environment variable
+#: NORMTOOLS_RMS_NORM_BACKWARD when this module is imported; a study records the one it trained
+#: with (``sysinfo.study_machine``) and its rerun sets it (``lab.reproduce``).
+RMS_NORM_BACKWARDS = ("analytic", "autograd")
+RMS_NORM_BACKWARD = os.environ.get("NORMTOOLS_RMS_NORM_BACKWARD", "analytic")
+validate.check_choice("NORMTOOLS_RMS_NORM_BACKWARD", RMS_NORM_BACKWARD, RMS_NORM_BACKWARDS)
 
 
-def _rms_norm_torch(x, residual, weight, eps, offset, casting):
-    """(y, summed): the torch backend's RMSNorm of summed = x (+ residual) for a plain tensor.
-
-    ``reference.rms_norm_native`` (F.rms_norm where its bits are the module's; autograd
-    differentiates it, ``torch.compile`` traces it), except for a recorded graph of a float32
-    input of ``ANALYTIC_BACKWARD_MIN_ELEMENTS`` or more: eager, ``_TorchRMSNorm``; under
-    ``torch.compile``, the custom op's torch branch, the same forward and backward, opaque to
-    Inductor so that compiled gradients are eager's bits (Inductor's fused sums of the traced
-    analytic backward differ from eager's past float32 round-off: tests/core/test_compile.py).
-    """
-    analytic = (x.dtype == torch.float32 and x.numel() >= ANALYTIC_BACKWARD_MIN_ELEMENTS
-                and records_graph(x, residual, weight))
-    if analytic and torch.compiler.is_compiling():
-        y, summed, _ = _rms_norm_fwd(x, residual, weight, eps, offset, casting, "torch")
-        return y, (x if residual is None else summed)
-    summed = x if residual is None else x + residual
-    if analytic:
-        return _TorchRMSNorm.apply(summed, weight, eps, offset, casting), summed
-    return rms_norm_native(summed, weight, eps, offset, casting), summed
+def torch_rms_norm(x, weight, eps, offset, casting):
+    """The torch backend's RMSNorm of a plain tensor x, its weight (N,) or per-row-group
+    (H, N): ``reference.rms_norm_native`` when no gradient is recorded (``torch.compile``
+    traces it) or ``RMS_NORM_BACKWARD`` is "autograd"; with a gradient to record, eager,
+    ``_TorchRMSNorm``; under ``torch.compile``, the custom op's torch branch, the same forward
+    and backward, opaque to Inductor so that compiled gradients are eager's bits (Inductor's
+    fused sums of a traced backward differ from eager's past float32 round-off:
+    tests/core/test_compile.py)."""
+    if RMS_NORM_BACKWARD == "autograd" or not records_graph(x, weight):
+        return rms_norm_native(x, weight, eps, offset, casting)
+    if torch.compiler.is_compiling():
+        return _rms_norm_fwd(x, None, weight, eps, offset, casting, "torch")[0]
+    return _TorchRMSNorm.apply(x, weight, eps, offset, casting)
 
 
 def _check_rms_norm_args(x, weight, eps, offset, casting, backend):
@@ -261,7 +252,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     if runs_torch_math(x, backend):
-        return _rms_norm_torch(x, None, weight, float(eps), float(offset), casting)[0]
+        return torch_rms_norm(x, weight, float(eps), float(offset), casting)
     backend = resolve_backend(backend, x.device)
     return _rms_norm_fwd(x, None, weight, float(eps), float(offset), casting, backend)[0]
 
@@ -276,7 +267,8 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="lla
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     validate.check_like(residual, x, "residual")
     if runs_torch_math(x, backend):
-        return _rms_norm_torch(x, residual, weight, float(eps), float(offset), casting)
+        summed = x + residual
+        return torch_rms_norm(summed, weight, float(eps), float(offset), casting), summed
     backend = resolve_backend(backend, x.device)
     y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
     return y, summed

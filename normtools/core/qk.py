@@ -16,8 +16,8 @@ with the rows chosen by ``scope``:
 q is ``(..., Hq · head_dim)`` or ``(..., Hq, head_dim)`` and k likewise with Hk heads (Hk divides
 Hq: grouped-query attention); both outputs keep their input's shape. The math of each row is
 ``normtools.core.reference.rms_norm_reference``. ``backend="torch"`` computes it as plain
-PyTorch operations (``reference.rms_norm_native`` on q and on k, viewed as rows; autograd
-gives the backward), as the transformers modules do.
+PyTorch operations (``ops.torch_rms_norm`` on q and on k, viewed as rows: torch's RMSNorm op
+forward, the analytic backward), the transformers modules' numbers.
 
 ``backend="triton"`` runs ``kernels/qk_norm.py``, one launch for q and k in each direction,
 behind the custom op ``normtools::qk_norm_fwd`` (backward ``normtools::qk_norm_bwd``), with
@@ -34,9 +34,9 @@ from torch import nn
 from normtools.core import validate
 from normtools._kernels import qk_norm as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
-from normtools.core.ops import runs_torch_math
-from normtools.core.reference import (inv_rms, rms_norm_apply, rms_norm_backward_reference,
-                                      rms_norm_native, rms_norm_output_dtype)
+from normtools.core.ops import runs_torch_math, torch_rms_norm
+from normtools.core.reference import (rms_norm_backward_reference, rms_norm_native_with_rstd,
+                                      rms_norm_output_dtype)
 
 __all__ = ["qk_norm", "QKNorm", "SCOPES", "check_qk_inputs"]
 
@@ -136,11 +136,11 @@ def _rows(x2d, row_len):
 
 
 def torch_qk_norm(x, weight, eps, head_dim, headed, per_layer, offset, casting):
-    """QK-Norm of one tensor x as plain PyTorch operations: ``reference.rms_norm_native`` over
+    """QK-Norm of one tensor x as plain PyTorch operations: ``ops.torch_rms_norm`` over
     its rows, (..., H, head_dim) per head, (..., H·head_dim) per layer; the result has x's
     shape (no reshape around the norm where x's layout already is its rows)."""
     if per_layer != headed:    # x's rows are the norm's: (..., H·head_dim) or (..., H, head_dim)
-        return rms_norm_native(x, weight, eps, offset, casting)
+        return torch_rms_norm(x, weight, eps, offset, casting)
     return torch_qk_norm_heads(x, weight, eps, head_dim, headed, per_layer, offset,
                                casting).reshape(x.shape)
 
@@ -149,30 +149,23 @@ def torch_qk_norm_heads(x, weight, eps, head_dim, headed, per_layer, offset, cas
     """``torch_qk_norm`` of x as (..., H, head_dim) heads, the layout RoPE rotates (a view of
     the norm's result, as transformers' ``view(hidden_shape)``)."""
     if per_layer:
-        normed = rms_norm_native(x.flatten(-2) if headed else x, weight, eps, offset, casting)
+        normed = torch_rms_norm(x.flatten(-2) if headed else x, weight, eps, offset, casting)
         return normed.view(*normed.shape[:-1], -1, head_dim)
-    return rms_norm_native(x if headed else x.view(*x.shape[:-1], -1, head_dim), weight, eps,
-                           offset, casting)
+    return torch_rms_norm(x if headed else x.view(*x.shape[:-1], -1, head_dim), weight, eps,
+                          offset, casting)
 
 
 def torch_forward(x2d, weight, row_len, eps, offset, casting):
     """Reference output (T, W) and float32 inverse RMS (H_rows, T) of one tensor."""
-    x = _rows(x2d, row_len)
-    rstd = inv_rms(x, eps)
-    y = rms_norm_apply(x, rstd, weight, offset, casting)   # weight (N,) or (H, N) broadcasts
+    y, rstd = rms_norm_native_with_rstd(_rows(x2d, row_len), weight, eps, offset, casting)
     return y.flatten(-2), rstd.squeeze(-1).transpose(0, 1).contiguous()
 
 
 def torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
     """Reference (dx, dw) of one tensor from the saved inverse RMS (H_rows, T)."""
     dy, x, rstd = _rows(dy2d, row_len), _rows(x2d, row_len), rstd.transpose(0, 1).unsqueeze(-1)
-    if weight.dim() == 1:
-        dx, dw = rms_norm_backward_reference(dy, x, weight, rstd, offset)
-        return dx.flatten(-2), dw
-    # one weight row per head: each head is its own RMSNorm
-    heads = [rms_norm_backward_reference(dy[:, h], x[:, h], weight[h], rstd[:, h], offset)
-             for h in range(x.shape[1])]
-    return torch.stack([dx for dx, _ in heads], 1).flatten(-2), torch.stack([dw for _, dw in heads])
+    dx, dw = rms_norm_backward_reference(dy, x, weight, rstd, offset)   # (H, N): dw per head
+    return dx.flatten(-2), dw
 
 
 # ----------------------------------------------------------------------------- triton backend

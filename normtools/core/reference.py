@@ -30,6 +30,7 @@ __all__ = [
     "rms_norm_reference",
     "rms_norm_apply",
     "rms_norm_native",
+    "rms_norm_native_with_rstd",
     "rms_norm_backward_reference",
     "layer_norm_statistics",
     "layer_norm_reference",
@@ -96,8 +97,24 @@ def rms_norm_apply(x, rstd, weight=None, offset=0.0, casting="llama"):
     return (hidden * scale).to(out_dtype)
 
 
-def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
-    """``rms_norm_reference`` computed with torch's RMSNorm op ``F.rms_norm``, bit for bit.
+# torch's fused RMSNorm op, the one F.rms_norm calls (torch 2.8 and later), which returns the
+# float32 inverse RMS it computes with the result
+_FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
+
+
+def _f_rms_norm(x, scale, eps):
+    """(F.rms_norm(x, (N,), scale, eps), r) with r the float32 inverse RMS (``(..., 1)``) the op
+    computes: one call of torch's ``_fused_rms_norm`` where this torch has it, else (and under
+    ``torch.compile``, whose Dynamo does not trace that binding; Inductor drops an unused r)
+    F.rms_norm and ``inv_rms``."""
+    if _FUSED_RMS_NORM is None or torch.compiler.is_compiling():
+        return F.rms_norm(x, (x.shape[-1],), scale, eps), inv_rms(x, eps)
+    return _FUSED_RMS_NORM(x, [x.shape[-1]], scale, eps)
+
+
+def rms_norm_native_with_rstd(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
+    """(y, r): ``rms_norm_reference`` computed with torch's RMSNorm op ``F.rms_norm``, bit for
+    bit, and the float32 inverse RMS r (``(..., 1)``) it computed on the way.
 
     ``F.rms_norm(x, (N,), s, eps)`` is ``(x.float() · r).to(x.dtype) · s`` with
     r = rsqrt(mean(x.float()², -1) + eps), the reference's operations in its order, in one call,
@@ -112,20 +129,27 @@ def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
 
     a weight of more than one dimension (QK-Norm's (H, N), one row per head) multiplies outside.
     """
-    n = (x.shape[-1],)
     if weight is None:
-        return F.rms_norm(x, n, None, eps)
+        return _f_rms_norm(x, None, eps)
     if casting == "gemma":
         scale = offset + weight.to(torch.float32)
-        x32 = x.to(torch.float32)
-        normed = (F.rms_norm(x32, n, scale, eps) if weight.dim() == 1
-                  else F.rms_norm(x32, n, None, eps) * scale)
-        return normed.to(x.dtype)
+        if weight.dim() == 1:
+            normed, rstd = _f_rms_norm(x.to(torch.float32), scale, eps)
+        else:
+            normed, rstd = _f_rms_norm(x.to(torch.float32), None, eps)
+            normed = normed * scale
+        return normed.to(x.dtype), rstd
     scale = weight if offset == 0 else offset + weight.to(torch.float32)
     if x.dtype == torch.float32 and weight.dim() == 1:
-        return F.rms_norm(x, n, scale, eps)
-    out_dtype = rms_norm_output_dtype(x.dtype, weight.dtype, casting)
-    return (scale * F.rms_norm(x, n, None, eps)).to(out_dtype)
+        return _f_rms_norm(x, scale, eps)
+    normed, rstd = _f_rms_norm(x, None, eps)
+    return (scale * normed).to(rms_norm_output_dtype(x.dtype, weight.dtype, casting)), rstd
+
+
+def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
+    """``rms_norm_reference`` computed with torch's RMSNorm op, bit for bit: the result of
+    ``rms_norm_native_with_rstd``."""
+    return rms_norm_native_with_rstd(x, weight, eps, offset, casting)[0]
 
 
 def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
@@ -141,12 +165,18 @@ def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
     """
     dy32 = dy.to(torch.float32)
     x_hat = x.to(torch.float32) * rstd
-    g = dy32 if weight is None else dy32 * (offset + weight.to(torch.float32))
-    # · r in place: the same roundings, one (M, N) buffer fewer
-    dx = (g - x_hat * (x_hat * g).mean(-1, keepdim=True)).mul_(rstd)
+    if weight is None:
+        g = dy32
+    else:
+        scale = weight.to(torch.float32)
+        g = dy32 * (scale if offset == 0 else scale + offset)
+    # mean(x̂ ⊙ g) as one dot product per row, g − x̂ · mean in one addcmul, · r in place: two
+    # (M, N) passes and buffers fewer than the expression written out
+    row_mean = torch.linalg.vecdot(x_hat, g).unsqueeze(-1).div_(x.shape[-1])
+    dx = torch.addcmul(g, x_hat, row_mean, value=-1).mul_(rstd)
     if weight is None:
         return dx.to(x.dtype), None
-    dw = (dy32 * x_hat).reshape(-1, x.shape[-1]).sum(0)
+    dw = (dy32 * x_hat).sum_to_size(weight.shape)   # over every row (a (H, N) weight: per head)
     return dx.to(x.dtype), dw.to(weight.dtype)
 
 

@@ -9,7 +9,8 @@ computed in PyTorch's promoted dtype of that output and cos / sin, each product 
 rounded (normtools.core.reference.rope_reference); with ``cast_back=True`` the result is cast
 to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``).
 ``backend="torch"`` runs that reference as plain PyTorch operations
-(``qk.torch_qk_norm_heads``, then ``rope_reference``; autograd gives the backward);
+(``qk.torch_qk_norm_heads``, whose backward is the norm's analytic one, then
+``rope_reference``, which autograd differentiates);
 ``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
 ``qk_norm_rope_bwd``) behind the custom op ``normtools::qk_norm_rope_fwd`` (backward
 ``normtools::qk_norm_rope_bwd``), with fake implementations for ``torch.compile``, which a

@@ -159,11 +159,15 @@ def run_conditions(device="cpu"):
 def study_machine():
     """The machine a committed study of the stability lab ran on: the torch, numpy and normtools
     versions, python, the CPU architecture (``platform.processor()``, else
-    ``platform.machine()``), logical CPUs, torch intra-op threads and ATen's CPU capability."""
+    ``platform.machine()``), logical CPUs, torch intra-op threads, ATen's CPU capability and
+    how normtools differentiated RMSNorm (``ops.RMS_NORM_BACKWARD``)."""
+    from normtools.core import ops
+
     return {**package_versions(("torch", "numpy", "normtools")),
             "python": platform.python_version(), "cpu": platform.processor() or platform.machine(),
             "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "rms_norm_backward": ops.RMS_NORM_BACKWARD}
 
 
 def environment_versions(packages=REPORTED_PACKAGES):

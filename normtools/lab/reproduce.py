@@ -46,13 +46,16 @@ _ONEDNN_ISA = {"DEFAULT": "SSE41", "AVX2": "AVX2"}
 
 
 def numeric_path_environment(machine: dict) -> dict:
-    """Environment variables that hold a fresh process to the CPU kernels of ``machine`` (a
+    """Environment variables that hold a fresh process to the numeric path of ``machine`` (a
     committed study's ``conditions["machine"]``): ``ATEN_CPU_CAPABILITY`` (ATen's vectorized
-    kernels: DEFAULT, AVX2, AVX512 sum in other orders) and ``ONEDNN_MAX_CPU_ISA``. Both are read
-    once, when the process first dispatches, so they need a new process; a CPU without the
-    capability runs its fallback (:func:`rerun_on_committed_path` reports which ran)."""
+    kernels: DEFAULT, AVX2, AVX512 sum in other orders), ``ONEDNN_MAX_CPU_ISA`` and
+    ``NORMTOOLS_RMS_NORM_BACKWARD`` (a study recorded before normtools kept it trained on
+    "autograd"). All are read once, when the process first dispatches or imports normtools, so
+    they need a new process; a CPU without the capability runs its fallback
+    (:func:`rerun_on_committed_path` reports which ran)."""
     capability = machine["aten_cpu_capability"]
-    env = {"ATEN_CPU_CAPABILITY": capability.lower()}
+    env = {"ATEN_CPU_CAPABILITY": capability.lower(),
+           "NORMTOOLS_RMS_NORM_BACKWARD": machine.get("rms_norm_backward", "autograd")}
     if capability in _ONEDNN_ISA:
         env["ONEDNN_MAX_CPU_ISA"] = _ONEDNN_ISA[capability]
     return env

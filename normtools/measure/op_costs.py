@@ -22,7 +22,10 @@ _ELEMENTWISE = {_aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.
                 _aten.mul.Scalar, _aten.div.Tensor, _aten.div.Scalar, _aten.pow.Tensor_Scalar,
                 _aten.rsqrt.default, _aten.sqrt.default, _aten.neg.default, _aten.rsub.Scalar,
                 # in place (the backward references reuse their temporaries)
-                _aten.add_.Tensor, _aten.sub_.Tensor, _aten.mul_.Tensor, _aten.div_.Tensor}
+                _aten.add_.Tensor, _aten.sub_.Tensor, _aten.mul_.Tensor, _aten.div_.Tensor,
+                _aten.div_.Scalar}
+#: Fused elementwise: two operations per output element (addcmul: a + v·b·c, a multiply and an add).
+_FUSED_PAIRS = {_aten.addcmul.default}
 #: Reductions: one operation per input element.
 _REDUCTIONS = {_aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim, _aten.mean.default}
 #: Data movement only (views, casts, copies, allocation): no arithmetic.
@@ -42,6 +45,8 @@ class _FlopCounter(TorchDispatchMode):
         out = func(*args, **kwargs)
         if func in _ELEMENTWISE:
             self.flops += out.numel()
+        elif func in _FUSED_PAIRS:
+            self.flops += 2 * out.numel()
         elif func in _REDUCTIONS:
             self.flops += args[0].numel()
         elif func not in _FREE and isinstance(out, torch.Tensor):

@@ -1,8 +1,14 @@
-"""The torch backend's analytic RMSNorm backward (issue 35): a float32 input of
-``ops.ANALYTIC_BACKWARD_MIN_ELEMENTS`` or more, with a gradient to record, runs the reference
-forward and dx = r · (g − x̂ · mean(x̂ ⊙ g)) instead of autograd of F.rms_norm. Its forward
-is the HF module's, bit for bit; its gradients meet the float64 oracle's tolerance, as the HF
-module's own autograd does, for llama and gemma casting, with and without a fused residual."""
+"""The torch backend's RMSNorm with a gradient to record (issue 35): eager, it runs torch's
+RMSNorm op forward, saves the inverse RMS that op computes, and takes the analytic float32
+backward dx = r · (g − x̂ · mean(x̂ ⊙ g)) instead of autograd of the module's operations, at
+every shape and dtype. Its forward is the HF module's, bit for bit; its gradients meet the
+float64 oracle's tolerance, as the HF module's own autograd does, for llama and gemma casting,
+float32 and bfloat16, with and without a fused residual, and for QK-Norm's per-head rows with a
+(H, head_dim) weight."""
+
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,22 +19,24 @@ from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import normtools
 from normtools.core import ops
+from normtools.core.reference import rms_norm_reference
 
-SHAPE = (2, 128, 1024)     # 262144 float32 elements: the smallest input that takes the route
 FAMILIES = {"llama": (LlamaRMSNorm, 0.0), "gemma": (Gemma3RMSNorm, 1.0)}
+SHAPES = ((2, 16, 96), (300, 8))    # several rows of a wide row; many rows of a narrow one
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("residual", [False, True])
-def test_large_float32_rows_take_the_analytic_backward_with_the_modules_numbers(family,
-                                                                              residual):
-    assert SHAPE[0] * SHAPE[1] * SHAPE[2] == ops.ANALYTIC_BACKWARD_MIN_ELEMENTS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_recorded_graph_takes_the_analytic_backward_with_the_modules_numbers(family, residual,
+                                                                            dtype, shape):
     module_class, offset = FAMILIES[family]
-    n = SHAPE[-1]
-    module = module_class(n, eps=1e-6)
-    x, res = make_input(SHAPE, torch.float32, seed=0), make_input(SHAPE, torch.float32, seed=1)
-    w = torch.linspace(-0.25, 0.25, n) + (1.0 - offset)
-    dys = [make_input(SHAPE, torch.float32, seed=2)]
+    n = shape[-1]
+    module = module_class(n, eps=1e-6).to(dtype)
+    x, res = make_input(shape, dtype, seed=0), make_input(shape, dtype, seed=1)
+    w = (torch.linspace(-0.25, 0.25, n) + (1.0 - offset)).to(dtype)
+    dys = [make_input(shape, dtype, seed=2)]
 
     def normed_input(x, res):
         return x + res if residual else x
@@ -43,7 +51,10 @@ def test_large_float32_rows_take_the_analytic_backward_with_the_modules_numbers(
         return functional_call(module, {"weight": w}, (normed_input(x, res),))
 
     def in_float64(x, res, w):
-        return rms_norm_f64(normed_input(x, res), w, 1e-6, offset)
+        summed = normed_input(x, res)
+        if residual:   # the op rounds x + residual to the input dtype; its gradient is 1
+            summed = summed + (summed.detach().to(dtype).double() - summed.detach())
+        return rms_norm_f64(summed, w, 1e-6, offset)
 
     (y,), grads = run_with_grads(with_normtools, (x, res, w), dys)
     (y_module,), module_grads = run_with_grads(with_module, (x, res, w), dys)
@@ -55,5 +66,69 @@ def test_large_float32_rows_take_the_analytic_backward_with_the_modules_numbers(
         if not residual and name == "dres":
             assert got is None and by_module is None
             continue
-        assert_close_to_oracle(by_module, ref, None, torch.float32, f"module {name}")
-        assert_close_to_oracle(got, ref, None, torch.float32, f"normtools {name}")
+        assert got.dtype == by_module.dtype, name
+        assert_close_to_oracle(by_module, ref, by_module, dtype, f"module {name}")
+        assert_close_to_oracle(got, ref, by_module, dtype, f"normtools {name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_per_head_weight_rows_get_their_own_gradient(dtype):
+    """QK-Norm per head with one weight row per head (Cohere's (H, head_dim) layout): the
+    analytic backward sums dw over the tokens of each head, not over the heads; checked against
+    the float64 oracle of each head normalized on its own."""
+    tokens, heads, head_dim = 12, 4, 16
+    q = make_input((tokens, heads * head_dim), dtype, seed=0)
+    k = make_input((tokens, 2 * head_dim), dtype, seed=1)
+    qw = (torch.rand(heads, head_dim, generator=torch.Generator().manual_seed(2)) + 0.5).to(dtype)
+    kw = (torch.rand(2, head_dim, generator=torch.Generator().manual_seed(3)) + 0.5).to(dtype)
+    dys = [make_input(q.shape, dtype, seed=4), make_input(k.shape, dtype, seed=5)]
+
+    def with_normtools(q, k, qw, kw):
+        return normtools.qk_norm(q, k, qw, kw, 1e-6, head_dim=head_dim, backend="torch")
+
+    def per_head(norm):
+        def both(q, k, qw, kw):
+            return tuple(norm(t.unflatten(-1, (-1, head_dim)), w).flatten(-2)
+                         for t, w in ((q, qw), (k, kw)))
+        return both
+
+    inputs = (q, k, qw, kw)
+    _, grads = run_with_grads(with_normtools, inputs, dys)
+    _, by_autograd = run_with_grads(per_head(rms_norm_reference), inputs, dys)   # in dtype
+    _, exact = run_with_grads(per_head(rms_norm_f64), inputs, dys, cast=torch.float64)
+    for name, got, same, ref in zip(("dq", "dk", "dqw", "dkw"), grads, by_autograd, exact):
+        assert got.shape == ref.shape, name
+        assert_close_to_oracle(got, ref, same, dtype, name)
+
+
+def test_without_a_graph_to_record_no_autograd_function_runs():
+    """Without a gradient to record the op is torch's RMSNorm op alone (no autograd node)."""
+    x, w = make_input((4, 32), torch.float32), torch.ones(32, requires_grad=True)
+    with torch.no_grad():
+        assert normtools.rms_norm(x, w, backend="torch").grad_fn is None
+    assert type(ops.torch_rms_norm(x, w, 1e-6, 0.0, "llama").grad_fn).__name__ == \
+        "_TorchRMSNormBackward"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_autograd_backward_gives_the_modules_gradient_bits(monkeypatch, dtype):
+    """RMS_NORM_BACKWARD = "autograd" (what a study trained before the analytic backward reruns
+    on) differentiates torch's RMSNorm op: every gradient equals the HF module's bit for bit."""
+    monkeypatch.setattr(ops, "RMS_NORM_BACKWARD", "autograd")
+    n = 48
+    module = LlamaRMSNorm(n, eps=1e-6).to(dtype)
+    x, w = make_input((5, 7, n), dtype, seed=0), torch.linspace(0.5, 1.5, n).to(dtype)
+    dys = [make_input(x.shape, dtype, seed=1)]
+    outs, grads = run_with_grads(lambda x, w: normtools.rms_norm(x, w, backend="torch"), (x, w), dys)
+    outs_module, grads_module = run_with_grads(
+        lambda x, w: functional_call(module, {"weight": w}, (x,)), (x, w), dys)
+    for got, expected in zip(outs + grads, outs_module + grads_module):
+        assert torch.equal(got, expected)
+
+
+def test_unknown_backward_in_the_environment_is_refused_at_import():
+    env = {**os.environ, "NORMTOOLS_RMS_NORM_BACKWARD": "exact"}
+    done = subprocess.run([sys.executable, "-c", "import normtools.core.ops"], env=env, text=True,
+                          capture_output=True)
+    assert done.returncode != 0
+    assert "unknown NORMTOOLS_RMS_NORM_BACKWARD 'exact'" in done.stderr

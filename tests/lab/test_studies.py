@@ -65,11 +65,14 @@ def test_committed_study_rerun_reproduces_its_losses(name):
 
 def test_numeric_path_environment_names_atens_and_onednns_paths():
     """ATen's capability as its variable spells it; oneDNN capped to the same ISA where one
-    matches (the rerun test above is what shows the pinning reproduces a committed seed)."""
+    matches; normtools' RMSNorm backward as recorded, "autograd" for a study recorded before
+    (the rerun test above is what shows the pinning reproduces a committed seed)."""
     env = reproduce.numeric_path_environment
-    assert env({"aten_cpu_capability": "AVX2"}) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
-    assert env({"aten_cpu_capability": "DEFAULT"}) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41"}
-    assert env({"aten_cpu_capability": "AVX512"}) == {"ATEN_CPU_CAPABILITY": "avx512"}
+    before = {"NORMTOOLS_RMS_NORM_BACKWARD": "autograd"}     # studies that predate the record
+    assert env({"aten_cpu_capability": "AVX2"}) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", **before}
+    assert env({"aten_cpu_capability": "DEFAULT"}) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", **before}
+    assert env({"aten_cpu_capability": "AVX512", "rms_norm_backward": "analytic"}) == {
+        "ATEN_CPU_CAPABILITY": "avx512", "NORMTOOLS_RMS_NORM_BACKWARD": "analytic"}
 
 
 def test_cli_writes_and_resumes_a_study(tmp_path):

@@ -47,7 +47,9 @@ def test_the_table_is_complete_and_a_missing_row_is_seen():
 
 def test_normtools_torch_computes_the_hf_module_in_every_quick_case():
     """Forward: the same bits. Forward + backward: the same gradients to float32 / bfloat16
-    round-off (autograd of the module's operations against normtools' backward)."""
+    round-off (autograd of the module's operations, which rounds its bfloat16 products, against
+    normtools' float32 backward; in bfloat16 relative to the tensor's largest value, since a
+    weight gradient summed over rows of both signs has elements near zero)."""
     tolerance = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
     for op, shape, dtype in QUICK:
         calls = cpu_table.contender_calls(op, shape, dtype, ("normtools-torch", "hf-module"))
@@ -61,7 +63,8 @@ def test_normtools_torch_computes_the_hf_module_in_every_quick_case():
                 continue
             assert a.dtype == b.dtype, (op, shape, dtype)
             if op.endswith("_fwd_bwd"):
-                torch.testing.assert_close(a, b, rtol=tolerance[dtype], atol=tolerance[dtype])
+                atol = tolerance[dtype] * (float(b.abs().max()) if dtype == torch.bfloat16 else 1)
+                torch.testing.assert_close(a, b, rtol=tolerance[dtype], atol=atol)
             else:
                 assert torch.equal(a, b), (op, shape, dtype)
 

@@ -63,6 +63,10 @@ def test_count_flops_on_known_expressions():
     torch.testing.assert_close(out, (a * b).sum(-1))
     _, flops = op_costs.count_flops(lambda u: u.double().view(300).float(), a)
     assert flops == 0
+    _, flops = op_costs.count_flops(lambda u, v: torch.addcmul(u, u, v, value=-1), a, b)
+    assert flops == 2 * 300
+    _, flops = op_costs.count_flops(lambda u, v: torch.linalg.vecdot(u, v), a, b)
+    assert flops == 2 * 300
     with pytest.raises(NotImplementedError):
         op_costs.count_flops(torch.exp, a)
 
@@ -73,12 +77,13 @@ def test_row_costs_against_the_equations(n):
     costs = {(c["op"], c["direction"]): c for c in op_costs.row_costs(n, torch.bfloat16, rows=rows)}
     # Operations of the reference code, counted by hand from normtools/reference.py:
     # RMSNorm fwd: x², mean, +eps, rsqrt, x·r, offset + w (once per call), ·scale
-    # RMSNorm bwd: x·r, offset + w (once), ·dy, x̂·g, mean, x̂·c, g − ·, r·(…), dy·x̂, Σ_rows
+    # RMSNorm bwd: x·r, ·dy (offset + w only for an offset), x̂·g and its row sum (one dot
+    #   product), ÷N (once per row), g − x̂·c (one addcmul: two), r·(…), dy·x̂, Σ_rows
     # LayerNorm fwd: mean, x − μ (once, for the variance and for y), ², mean, +eps, rsqrt, ·r, ·w, +b
     # LayerNorm bwd: x − μ, ·r, w·dy, mean g, x̂·g, mean, g − mean g, x̂·c, −, r·, dy·x̂, Σ, Σ dy
     expected_flops = {
         ("rms_norm", "forward"): 4 * n + 2 + n / rows,
-        ("rms_norm", "backward"): 9 * n + n / rows,
+        ("rms_norm", "backward"): 9 * n + 1,
         ("layer_norm", "forward"): 7 * n + 2,
         ("layer_norm", "backward"): 13 * n,
     }
