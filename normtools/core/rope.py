@@ -89,16 +89,18 @@ def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset
     return (rotated.to(normed.dtype) if cast_back else rotated), rstd
 
 
-def _torch_qk_norm_rope_one(x, weight, cos_heads, sin_heads, eps, head_dim, headed, per_layer,
-                            offset, casting, cast_back):
-    """RoPE(QK-Norm(x)) of one tensor as plain PyTorch operations, on the norm's result viewed
-    as (..., H, head_dim) heads; ``cos_heads`` / ``sin_heads``: the (..., 1, D) tables that
-    broadcast over the heads (made once for q and k, as transformers' ``unsqueeze``). The
-    result has x's shape."""
-    heads = torch_qk_norm_heads(x, weight, eps, head_dim, headed, per_layer, offset, casting)
-    rotated = rope_reference(heads, cos_heads, sin_heads)
-    rotated = rotated.to(heads.dtype) if cast_back else rotated
-    return rotated if headed else rotated.reshape(x.shape)
+def _torch_qk_norm_rope(q, k, q_weight, k_weight, cos_heads, sin_heads, eps, head_dim, headed,
+                        per_layer, offset, casting, cast_back):
+    """RoPE(QK-Norm(q)), RoPE(QK-Norm(k)) as plain PyTorch operations, on the norm's results
+    viewed as (..., H, head_dim) heads; ``cos_heads`` / ``sin_heads``: the (..., 1, D) tables
+    that broadcast over the heads (made once for q and k, as transformers' ``unsqueeze``). The
+    results have q's and k's shapes."""
+    heads = torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
+                                offset, casting)
+    rotated = [rope_reference(h, cos_heads, sin_heads) for h in heads]
+    if cast_back:
+        rotated = [r.to(h.dtype) for r, h in zip(rotated, heads)]
+    return tuple(r if headed else r.reshape(x.shape) for r, x in zip(rotated, (q, k)))
 
 
 def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_dim, offset):
@@ -304,11 +306,9 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scop
     token_shape = q.shape[:-2] if headed else q.shape[:-1]
     _check_rope_tables(cos, sin, q, head_dim, token_shape)
     if runs_torch_math(q, backend):
-        tables = (cos.unsqueeze(-2), sin.unsqueeze(-2))
-        args = (float(eps), head_dim, headed, scope == "per_layer", float(offset), casting,
-                bool(cast_back))
-        return (_torch_qk_norm_rope_one(q, q_weight, *tables, *args),
-                _torch_qk_norm_rope_one(k, k_weight, *tables, *args))
+        return _torch_qk_norm_rope(q, k, q_weight, k_weight, cos.unsqueeze(-2), sin.unsqueeze(-2),
+                                   float(eps), head_dim, headed, scope == "per_layer",
+                                   float(offset), casting, bool(cast_back))
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     cos2d = as_rows(cos.expand(*token_shape, head_dim))

@@ -74,8 +74,9 @@ def test_recorded_graph_takes_the_analytic_backward_with_the_modules_numbers(fam
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_per_head_weight_rows_get_their_own_gradient(dtype):
     """QK-Norm per head with one weight row per head (Cohere's (H, head_dim) layout): the
-    analytic backward sums dw over the tokens of each head, not over the heads; checked against
-    the float64 oracle of each head normalized on its own."""
+    analytic backward sums dw over the tokens of each head, not over the heads; q and k, one
+    autograd node, each get their own gradients; checked against the float64 oracle of each head
+    normalized on its own."""
     tokens, heads, head_dim = 12, 4, 16
     q = make_input((tokens, heads * head_dim), dtype, seed=0)
     k = make_input((tokens, 2 * head_dim), dtype, seed=1)
@@ -94,6 +95,9 @@ def test_per_head_weight_rows_get_their_own_gradient(dtype):
 
     inputs = (q, k, qw, kw)
     _, grads = run_with_grads(with_normtools, inputs, dys)
+    q_out, k_out = with_normtools(*(t.detach().requires_grad_() for t in inputs))
+    q_node, k_node = (out.grad_fn.next_functions[0][0] for out in (q_out, k_out))  # under a view
+    assert q_node is k_node and type(q_node).__name__ == "_TorchRMSNormBackward"
     _, by_autograd = run_with_grads(per_head(rms_norm_reference), inputs, dys)   # in dtype
     _, exact = run_with_grads(per_head(rms_norm_f64), inputs, dys, cast=torch.float64)
     for name, got, same, ref in zip(("dq", "dk", "dqw", "dkw"), grads, by_autograd, exact):
@@ -106,7 +110,7 @@ def test_without_a_graph_to_record_no_autograd_function_runs():
     x, w = make_input((4, 32), torch.float32), torch.ones(32, requires_grad=True)
     with torch.no_grad():
         assert normtools.rms_norm(x, w, backend="torch").grad_fn is None
-    assert type(ops.torch_rms_norm(x, w, 1e-6, 0.0, "llama").grad_fn).__name__ == \
+    assert type(ops.torch_rms_norms([(x, w)], 1e-6, 0.0, "llama")[0].grad_fn).__name__ == \
         "_TorchRMSNormBackward"
 
 
