@@ -6,7 +6,7 @@ The backend is a plain string argument:
   modules bit for bit. RMSNorm runs ``F.rms_norm``'s op (the same bits); with a gradient to
   record it saves the inverse RMS that op computes and runs the analytic float32 backward in an
   autograd function (``_TorchRMSNorm``: why), and LayerNorm does the same (``_TorchLayerNorm``);
-  under ``torch.compile`` both run as the custom op's torch branch (``torch_rms_norms``);
+  under ``torch.compile`` both run as the custom op's torch branch (``torch_rms_norm``);
 * "triton": the kernels in kernels/, compiled on CUDA, interpreted for CPU tensors, behind a
   ``torch.library`` custom op (``normtools::rms_norm_fwd`` / ``_bwd``,
   ``normtools::layer_norm_fwd`` / ``_bwd``) with autograd and a fake implementation, so that
@@ -181,8 +181,7 @@ _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setu
 
 
 class _TorchRMSNorm(torch.autograd.Function):
-    """RMSNorm on the torch backend, eager, when a gradient is recorded, of one or more
-    (x, weight) pairs in one autograd node (QK-Norm's q and k): the forward of
+    """RMSNorm on the torch backend, eager, when a gradient is recorded: the forward of
     ``reference.rms_norm_native_with_rstd`` (torch's RMSNorm op, the HF module's bits, with the
     inverse RMS r it computes saved) and the analytic float32 backward
     ``rms_norm_backward_reference``,
@@ -193,27 +192,40 @@ class _TorchRMSNorm(torch.autograd.Function):
     runs one backward node per operation, each a pass over (M, N) tensors and a dispatch:
     about three times this backward's time at every shape and dtype of the CPU table (issue 35).
     Under ``torch.compile`` the custom op's torch branch runs the same forward and backward
-    (``torch_rms_norms``).
+    (``torch_rms_norm``).
     """
 
     @staticmethod
-    def forward(ctx, eps, offset, casting, *xs_and_weights):
-        outputs, saved = [], []
-        for x, weight in zip(xs_and_weights[::2], xs_and_weights[1::2]):
-            y, rstd = rms_norm_native_with_rstd(x, weight, eps, offset, casting)
-            outputs.append(y)
-            saved += [x, weight, rstd]
-        ctx.save_for_backward(*saved)
+    def forward(ctx, x, weight, eps, offset, casting):
+        y, rstd = rms_norm_native_with_rstd(x, weight, eps, offset, casting)
+        ctx.save_for_backward(x, weight, rstd)
         ctx.offset = offset
-        return tuple(outputs)
+        return y
 
     @staticmethod
-    def backward(ctx, *dys):
-        saved = ctx.saved_tensors
-        grads = [None, None, None]
-        for dy, (x, weight, rstd) in zip(dys, zip(saved[::3], saved[1::3], saved[2::3])):
-            grads += rms_norm_backward_reference(dy, x, weight, rstd, ctx.offset)
-        return tuple(grads)
+    def backward(ctx, dy):
+        x, weight, rstd = ctx.saved_tensors
+        return (*rms_norm_backward_reference(dy, x, weight, rstd, ctx.offset), None, None, None)
+
+
+class _TorchRMSNormPair(torch.autograd.Function):
+    """``_TorchRMSNorm`` of two tensors in one autograd node: QK-Norm's q and k (one Python
+    forward and one backward call where two ``_TorchRMSNorm`` nodes make two of each)."""
+
+    @staticmethod
+    def forward(ctx, q, k, q_weight, k_weight, eps, offset, casting):
+        q_out, q_rstd = rms_norm_native_with_rstd(q, q_weight, eps, offset, casting)
+        k_out, k_rstd = rms_norm_native_with_rstd(k, k_weight, eps, offset, casting)
+        ctx.save_for_backward(q, k, q_weight, k_weight, q_rstd, k_rstd)
+        ctx.offset = offset
+        return q_out, k_out
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        q, k, q_weight, k_weight, q_rstd, k_rstd = ctx.saved_tensors
+        dq, dq_weight = rms_norm_backward_reference(dq_out, q, q_weight, q_rstd, ctx.offset)
+        dk, dk_weight = rms_norm_backward_reference(dk_out, k, k_weight, k_rstd, ctx.offset)
+        return dq, dk, dq_weight, dk_weight, None, None, None
 
 
 #: How the torch backend differentiates RMSNorm eagerly: "analytic" (``_TorchRMSNorm``) or
@@ -226,22 +238,29 @@ RMS_NORM_BACKWARD = os.environ.get("NORMTOOLS_RMS_NORM_BACKWARD", "analytic")
 validate.check_choice("NORMTOOLS_RMS_NORM_BACKWARD", RMS_NORM_BACKWARD, RMS_NORM_BACKWARDS)
 
 
-def torch_rms_norms(xs_and_weights, eps, offset, casting):
-    """The torch backend's RMSNorm of plain tensors: [y of x for (x, weight) in
-    ``xs_and_weights``], each weight (N,), per-row-group (H, N) or None.
-    ``reference.rms_norm_native`` when no gradient is recorded (``torch.compile`` traces it) or
-    ``RMS_NORM_BACKWARD`` is "autograd"; with a gradient to record, eager, ``_TorchRMSNorm``,
-    one autograd node for all of them; under ``torch.compile``, the custom op's torch branch,
-    the same forward and backward, opaque to Inductor so that compiled gradients are eager's
-    bits (Inductor's fused sums of a traced backward differ from eager's past float32
-    round-off: tests/core/test_compile.py)."""
-    tensors = [t for pair in xs_and_weights for t in pair]
-    if RMS_NORM_BACKWARD == "autograd" or not records_graph(*tensors):
-        return [rms_norm_native(x, weight, eps, offset, casting) for x, weight in xs_and_weights]
+def torch_rms_norm(x, weight, eps, offset, casting):
+    """The torch backend's RMSNorm of a plain tensor x, its weight (N,), per-row-group (H, N)
+    or None: ``reference.rms_norm_native`` when no gradient is recorded (``torch.compile``
+    traces it) or ``RMS_NORM_BACKWARD`` is "autograd"; with a gradient to record, eager,
+    ``_TorchRMSNorm``; under ``torch.compile``, the custom op's torch branch, the same forward
+    and backward, opaque to Inductor so that compiled gradients are eager's bits (Inductor's
+    fused sums of a traced backward differ from eager's past float32 round-off:
+    tests/core/test_compile.py)."""
+    if RMS_NORM_BACKWARD == "autograd" or not records_graph(x, weight):
+        return rms_norm_native(x, weight, eps, offset, casting)
     if torch.compiler.is_compiling():
-        return [_rms_norm_fwd(x, None, weight, eps, offset, casting, "torch")[0]
-                for x, weight in xs_and_weights]
-    return list(_TorchRMSNorm.apply(eps, offset, casting, *tensors))
+        return _rms_norm_fwd(x, None, weight, eps, offset, casting, "torch")[0]
+    return _TorchRMSNorm.apply(x, weight, eps, offset, casting)
+
+
+def torch_rms_norm_pair(q, k, q_weight, k_weight, eps, offset, casting):
+    """(``torch_rms_norm`` of q, of k), eagerly with a gradient to record in one autograd node
+    (``_TorchRMSNormPair``)."""
+    if (RMS_NORM_BACKWARD == "autograd" or torch.compiler.is_compiling()
+            or not records_graph(q, k, q_weight, k_weight)):
+        return (torch_rms_norm(q, q_weight, eps, offset, casting),
+                torch_rms_norm(k, k_weight, eps, offset, casting))
+    return _TorchRMSNormPair.apply(q, k, q_weight, k_weight, eps, offset, casting)
 
 
 def _check_rms_norm_args(x, weight, eps, offset, casting, backend):
@@ -263,7 +282,7 @@ def rms_norm(x, weight=None, eps=1e-6, *, offset=0.0, casting="llama", backend="
     """
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     if runs_torch_math(x, backend):
-        return torch_rms_norms([(x, weight)], float(eps), float(offset), casting)[0]
+        return torch_rms_norm(x, weight, float(eps), float(offset), casting)
     backend = resolve_backend(backend, x.device)
     return _rms_norm_fwd(x, None, weight, float(eps), float(offset), casting, backend)[0]
 
@@ -279,7 +298,7 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="lla
     validate.check_like(residual, x, "residual")
     if runs_torch_math(x, backend):
         summed = x + residual
-        return torch_rms_norms([(summed, weight)], float(eps), float(offset), casting)[0], summed
+        return torch_rms_norm(summed, weight, float(eps), float(offset), casting), summed
     backend = resolve_backend(backend, x.device)
     y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
     return y, summed

@@ -16,7 +16,7 @@ with the rows chosen by ``scope``:
 q is ``(..., Hq · head_dim)`` or ``(..., Hq, head_dim)`` and k likewise with Hk heads (Hk divides
 Hq: grouped-query attention); both outputs keep their input's shape. The math of each row is
 ``normtools.core.reference.rms_norm_reference``. ``backend="torch"`` computes it as plain
-PyTorch operations (``ops.torch_rms_norms`` of q and k viewed as rows: torch's RMSNorm op
+PyTorch operations (``ops.torch_rms_norm_pair`` of q and k viewed as rows: torch's RMSNorm op
 forward, the analytic backward of both in one autograd node), the transformers modules'
 numbers.
 
@@ -35,7 +35,7 @@ from torch import nn
 from normtools.core import validate
 from normtools._kernels import qk_norm as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
-from normtools.core.ops import runs_torch_math, torch_rms_norms
+from normtools.core.ops import runs_torch_math, torch_rms_norm_pair
 from normtools.core.reference import (rms_norm_backward_reference, rms_norm_native_with_rstd,
                                       rms_norm_output_dtype)
 
@@ -136,23 +136,27 @@ def _rows(x2d, row_len):
     return x2d.unflatten(-1, (-1, row_len))
 
 
-def _norm_rows(x, head_dim, headed, per_layer):
-    """x viewed as the rows one statistic covers: (..., H·head_dim) per layer, (..., H,
-    head_dim) per head."""
-    if per_layer:
-        return x.flatten(-2) if headed else x
-    return x if headed else x.view(*x.shape[:-1], -1, head_dim)
+def torch_qk_norm_rows(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer, offset,
+                       casting):
+    """QK-Norm of q and k as plain PyTorch operations, ``ops.torch_rms_norm_pair`` (one
+    autograd node for both) of their rows: (..., H·head_dim) per layer, (..., H, head_dim) per
+    head (x itself where its layout already is its rows)."""
+    def rows(x):
+        if per_layer:
+            return x.flatten(-2) if headed else x
+        return x if headed else x.view(*x.shape[:-1], -1, head_dim)
+    return torch_rms_norm_pair(rows(q), rows(k), q_weight, k_weight, eps, offset, casting)
 
 
 def torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer, offset,
                         casting):
-    """QK-Norm of q and k as plain PyTorch operations, ``ops.torch_rms_norms`` of their rows
-    (one autograd node for both), each result viewed as (..., H, head_dim) heads, the layout
-    RoPE rotates (as transformers' ``view(hidden_shape)``)."""
-    rows = [(_norm_rows(x, head_dim, headed, per_layer), w) for x, w in ((q, q_weight),
-                                                                          (k, k_weight))]
-    normed = torch_rms_norms(rows, eps, offset, casting)
-    return [y.unflatten(-1, (-1, head_dim)) if per_layer else y for y in normed]
+    """``torch_qk_norm_rows`` viewed as (..., H, head_dim) heads, the layout RoPE rotates (as
+    transformers' ``view(hidden_shape)``)."""
+    normed = torch_qk_norm_rows(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
+                                offset, casting)
+    if not per_layer:
+        return normed
+    return tuple(y.view(*y.shape[:-1], y.shape[-1] // head_dim, head_dim) for y in normed)
 
 
 def torch_forward(x2d, weight, row_len, eps, offset, casting):
@@ -332,9 +336,11 @@ def qk_norm(q, k, q_weight, k_weight, eps=1e-6, *, head_dim, scope="per_head", o
                                    casting, backend)
     if runs_torch_math(q, backend):
         eps, offset, per_layer = float(eps), float(offset), scope == "per_layer"
-        heads = torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
+        normed = torch_qk_norm_rows(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
                                     offset, casting)
-        return tuple(y.reshape(x.shape) for y, x in zip(heads, (q, k)))
+        if per_layer != headed:      # the rows are q's and k's own layout
+            return normed
+        return tuple(y.reshape(x.shape) for y, x in zip(normed, (q, k)))
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     qy, ky, _, _ = _qk_norm_fwd(q2d, k2d, q_weight, k_weight, head_dim, scope == "per_layer",

@@ -97,7 +97,7 @@ def test_per_head_weight_rows_get_their_own_gradient(dtype):
     _, grads = run_with_grads(with_normtools, inputs, dys)
     q_out, k_out = with_normtools(*(t.detach().requires_grad_() for t in inputs))
     q_node, k_node = (out.grad_fn.next_functions[0][0] for out in (q_out, k_out))  # under a view
-    assert q_node is k_node and type(q_node).__name__ == "_TorchRMSNormBackward"
+    assert q_node is k_node and type(q_node).__name__ == "_TorchRMSNormPairBackward"
     _, by_autograd = run_with_grads(per_head(rms_norm_reference), inputs, dys)   # in dtype
     _, exact = run_with_grads(per_head(rms_norm_f64), inputs, dys, cast=torch.float64)
     for name, got, same, ref in zip(("dq", "dk", "dqw", "dkw"), grads, by_autograd, exact):
@@ -110,7 +110,7 @@ def test_without_a_graph_to_record_no_autograd_function_runs():
     x, w = make_input((4, 32), torch.float32), torch.ones(32, requires_grad=True)
     with torch.no_grad():
         assert normtools.rms_norm(x, w, backend="torch").grad_fn is None
-    assert type(ops.torch_rms_norms([(x, w)], 1e-6, 0.0, "llama")[0].grad_fn).__name__ == \
+    assert type(ops.torch_rms_norm(x, w, 1e-6, 0.0, "llama").grad_fn).__name__ == \
         "_TorchRMSNormBackward"
 
 
