@@ -181,31 +181,40 @@ _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setu
 
 
 class _TorchRMSNorm(torch.autograd.Function):
-    """RMSNorm on the torch backend, eager, when a gradient is recorded: the forward of
+    """RMSNorm on the torch backend, eager, when a gradient is recorded, optionally of a residual
+    sum (add_rms_norm: summed = x + residual, returned with y): the forward of
     ``reference.rms_norm_native_with_rstd`` (torch's RMSNorm op, the HF module's bits, with the
     inverse RMS r it computes saved) and the analytic float32 backward
     ``rms_norm_backward_reference``,
 
-        dx = r · (g − x̂ · mean(x̂ ⊙ g, -1)),  g = (offset + w) ⊙ dy,   dw = Σ_rows dy ⊙ x̂.
+        dx = r · (g − x̂ · mean(x̂ ⊙ g, -1)),  g = (offset + w) ⊙ dy,   dw = Σ_rows dy ⊙ x̂,
+
+    plus the gradient of summed, which x and the residual both receive.
 
     Autograd of the module's operations (or of ``F.rms_norm``, the same operations on CPU)
     runs one backward node per operation, each a pass over (M, N) tensors and a dispatch:
     about three times this backward's time at every shape and dtype of the CPU table (issue 35).
-    Under ``torch.compile`` the custom op's torch branch runs the same forward and backward
-    (``torch_rms_norm``).
+    The residual add inside the node spares autograd's add node and the sum of summed's two
+    gradients. Under ``torch.compile`` the custom op's torch branch runs the same forward and
+    backward (``torch_rms_norm``).
     """
 
     @staticmethod
-    def forward(ctx, x, weight, eps, offset, casting):
-        y, rstd = rms_norm_native_with_rstd(x, weight, eps, offset, casting)
-        ctx.save_for_backward(x, weight, rstd)
-        ctx.offset = offset
-        return y
+    def forward(ctx, x, residual, weight, eps, offset, casting):
+        summed = x if residual is None else x + residual
+        y, rstd = rms_norm_native_with_rstd(summed, weight, eps, offset, casting)
+        ctx.save_for_backward(summed, weight, rstd)
+        ctx.offset, ctx.has_residual = offset, residual is not None
+        return y if residual is None else (y, summed)
 
     @staticmethod
-    def backward(ctx, dy):
-        x, weight, rstd = ctx.saved_tensors
-        return (*rms_norm_backward_reference(dy, x, weight, rstd, ctx.offset), None, None, None)
+    def backward(ctx, dy, dsummed=None):
+        summed, weight, rstd = ctx.saved_tensors
+        dx, dw = rms_norm_backward_reference(dy, summed, weight, rstd, ctx.offset)
+        if not ctx.has_residual:
+            return dx, None, dw, None, None, None
+        dx = dx.add_(dsummed)
+        return dx, dx, dw, None, None, None
 
 
 class _TorchRMSNormPair(torch.autograd.Function):
@@ -238,19 +247,23 @@ RMS_NORM_BACKWARD = os.environ.get("NORMTOOLS_RMS_NORM_BACKWARD", "analytic")
 validate.check_choice("NORMTOOLS_RMS_NORM_BACKWARD", RMS_NORM_BACKWARD, RMS_NORM_BACKWARDS)
 
 
-def torch_rms_norm(x, weight, eps, offset, casting):
-    """The torch backend's RMSNorm of a plain tensor x, its weight (N,), per-row-group (H, N)
-    or None: ``reference.rms_norm_native`` when no gradient is recorded (``torch.compile``
-    traces it) or ``RMS_NORM_BACKWARD`` is "autograd"; with a gradient to record, eager,
-    ``_TorchRMSNorm``; under ``torch.compile``, the custom op's torch branch, the same forward
-    and backward, opaque to Inductor so that compiled gradients are eager's bits (Inductor's
-    fused sums of a traced backward differ from eager's past float32 round-off:
-    tests/core/test_compile.py)."""
-    if RMS_NORM_BACKWARD == "autograd" or not records_graph(x, weight):
-        return rms_norm_native(x, weight, eps, offset, casting)
+def torch_rms_norm(x, weight, eps, offset, casting, residual=None):
+    """The torch backend's RMSNorm of a plain tensor x (with ``residual``: of summed = x +
+    residual, returning (y, summed)), its weight (N,), per-row-group (H, N) or None:
+    ``reference.rms_norm_native`` when no gradient is recorded (``torch.compile`` traces it) or
+    ``RMS_NORM_BACKWARD`` is "autograd"; with a gradient to record, eager, ``_TorchRMSNorm``;
+    under ``torch.compile``, the custom op's torch branch, the same forward and backward, opaque
+    to Inductor so that compiled gradients are eager's bits (Inductor's fused sums of a traced
+    backward differ from eager's past float32 round-off: tests/core/test_compile.py)."""
+    if RMS_NORM_BACKWARD == "autograd" or not records_graph(x, residual, weight):
+        if residual is None:
+            return rms_norm_native(x, weight, eps, offset, casting)
+        summed = x + residual
+        return rms_norm_native(summed, weight, eps, offset, casting), summed
     if torch.compiler.is_compiling():
-        return _rms_norm_fwd(x, None, weight, eps, offset, casting, "torch")[0]
-    return _TorchRMSNorm.apply(x, weight, eps, offset, casting)
+        y, summed, _ = _rms_norm_fwd(x, residual, weight, eps, offset, casting, "torch")
+        return y if residual is None else (y, summed)
+    return _TorchRMSNorm.apply(x, residual, weight, eps, offset, casting)
 
 
 def torch_rms_norm_pair(q, k, q_weight, k_weight, eps, offset, casting):
@@ -297,8 +310,7 @@ def add_rms_norm(x, residual, weight=None, eps=1e-6, *, offset=0.0, casting="lla
     _check_rms_norm_args(x, weight, eps, offset, casting, backend)
     validate.check_like(residual, x, "residual")
     if runs_torch_math(x, backend):
-        summed = x + residual
-        return torch_rms_norm(summed, weight, float(eps), float(offset), casting), summed
+        return torch_rms_norm(x, weight, float(eps), float(offset), casting, residual)
     backend = resolve_backend(backend, x.device)
     y, summed, _ = _rms_norm_fwd(x, residual, weight, float(eps), float(offset), casting, backend)
     return y, summed
