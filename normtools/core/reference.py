@@ -97,16 +97,30 @@ def rms_norm_apply(x, rstd, weight=None, offset=0.0, casting="llama"):
     return (hidden * scale).to(out_dtype)
 
 
-# torch's fused RMSNorm op, the one F.rms_norm calls (torch 2.8 and later), which returns the
-# float32 inverse RMS it computes with the result
-_FUSED_RMS_NORM = getattr(torch, "_fused_rms_norm", None)
+def _fused_rms_norm_op():
+    """torch's fused RMSNorm op, the one F.rms_norm calls, where it takes (x, normalized_shape,
+    weight, eps) on any device and returns (y, r), y the bits of F.rms_norm (recent torch; an
+    older one had an op of that name for MPS only, with another signature): tried once on a
+    small CPU row; None where it is missing or differs."""
+    fused = getattr(torch, "_fused_rms_norm", None)
+    if fused is None:
+        return None
+    row = torch.tensor([[0.5, -1.0, 2.0]])
+    try:
+        y, _ = fused(row, [3], None, 1e-6)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    return fused if torch.equal(y, F.rms_norm(row, (3,), None, 1e-6)) else None
+
+
+_FUSED_RMS_NORM = _fused_rms_norm_op()
 
 
 def _f_rms_norm(x, scale, eps):
     """(F.rms_norm(x, (N,), scale, eps), r) with r the float32 inverse RMS (``(..., 1)``) the op
-    computes: one call of torch's ``_fused_rms_norm`` where this torch has it, else (and under
-    ``torch.compile``, whose Dynamo does not trace that binding; Inductor drops an unused r)
-    F.rms_norm and ``inv_rms``."""
+    computes: one call of torch's fused op where this torch has it (``_fused_rms_norm_op``),
+    else (and under ``torch.compile``, whose Dynamo does not trace that binding; Inductor drops
+    an unused r) F.rms_norm and ``inv_rms``."""
     if _FUSED_RMS_NORM is None or torch.compiler.is_compiling():
         return F.rms_norm(x, (x.shape[-1],), scale, eps), inv_rms(x, eps)
     return _FUSED_RMS_NORM(x, [x.shape[-1]], scale, eps)

@@ -18,8 +18,7 @@ from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
 import normtools
-from normtools.core import ops
-from normtools.core.reference import rms_norm_reference
+from normtools.core import ops, reference
 
 FAMILIES = {"llama": (LlamaRMSNorm, 0.0), "gemma": (Gemma3RMSNorm, 1.0)}
 SHAPES = ((2, 16, 96), (300, 8))    # several rows of a wide row; many rows of a narrow one
@@ -98,7 +97,7 @@ def test_per_head_weight_rows_get_their_own_gradient(dtype):
     q_out, k_out = with_normtools(*(t.detach().requires_grad_() for t in inputs))
     q_node, k_node = (out.grad_fn.next_functions[0][0] for out in (q_out, k_out))  # under a view
     assert q_node is k_node and type(q_node).__name__ == "_TorchRMSNormPairBackward"
-    _, by_autograd = run_with_grads(per_head(rms_norm_reference), inputs, dys)   # in dtype
+    _, by_autograd = run_with_grads(per_head(reference.rms_norm_reference), inputs, dys)   # in dtype
     _, exact = run_with_grads(per_head(rms_norm_f64), inputs, dys, cast=torch.float64)
     for name, got, same, ref in zip(("dq", "dk", "dqw", "dkw"), grads, by_autograd, exact):
         assert got.shape == ref.shape, name
@@ -136,3 +135,22 @@ def test_unknown_backward_in_the_environment_is_refused_at_import():
                           capture_output=True)
     assert done.returncode != 0
     assert "unknown NORMTOOLS_RMS_NORM_BACKWARD 'exact'" in done.stderr
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_without_torchs_fused_op_the_same_bits_and_statistic(monkeypatch, dtype, family):
+    """A torch without a usable ``_fused_rms_norm`` (an older one) takes F.rms_norm and inv_rms:
+    the same output bits as the module and the same inverse RMS as the fused op."""
+    module_class, offset = FAMILIES[family]
+    n = 40
+    x = make_input((6, n), dtype, seed=3)
+    w = (torch.linspace(-0.25, 0.25, n) + (1.0 - offset)).to(dtype)
+    fused = reference.rms_norm_native_with_rstd(x, w, 1e-6, offset, family)
+    monkeypatch.setattr(reference, "_FUSED_RMS_NORM", None)
+    fallback = reference.rms_norm_native_with_rstd(x, w, 1e-6, offset, family)
+    module = module_class(n, eps=1e-6).to(dtype)
+    with torch.no_grad():
+        expected = functional_call(module, {"weight": w}, (x,))
+    assert torch.equal(fallback[0], expected) and torch.equal(fused[0], expected)
+    assert torch.equal(fallback[1], fused[1])
