@@ -14,11 +14,11 @@ Statistics (the inverse RMS, the mean and variance of LayerNorm) are always floa
 of a "zero-centred" weight (Gemma's ``1 + w``) is always added in float32: in bfloat16,
 ``1 + 0.0039`` rounds to ``1``.
 
-``backend="torch"`` runs these functions as plain PyTorch operations (autograd differentiates
-them, as it does the transformers modules); RMSNorm through ``rms_norm_native``, the same
-numbers from torch's own ``torch.nn.functional.rms_norm``. The backward functions give the
-analytic gradients in float32 from the saved statistics; they are what the custom ops run
-backward for a tensor subclass such as a DTensor (see ``normtools.core.ops``).
+``backend="torch"`` runs these functions as plain PyTorch operations; RMSNorm through
+``rms_norm_native``, the same numbers from torch's own ``torch.nn.functional.rms_norm``. The
+backward functions give the analytic gradients in float32 from the saved statistics: the torch
+backend's autograd functions and the custom ops (for a tensor subclass such as a DTensor, and
+under ``torch.compile``) run them backward (see ``normtools.core.ops``).
 """
 
 import torch
