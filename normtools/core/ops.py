@@ -192,9 +192,9 @@ class _TorchRMSNorm(torch.autograd.Function):
     plus the gradient of summed, which x and the residual both receive.
 
     Autograd of the module's operations (or of ``F.rms_norm``, the same operations on CPU)
-    runs one backward node per operation, each a pass over (M, N) tensors and a dispatch:
-    about three times this backward's time at every shape and dtype of the CPU table (issue 35).
-    The residual add inside the node spares autograd's add node and the sum of summed's two
+    runs one backward node per operation, each a pass over (M, N) tensors and a dispatch (issue
+    35: bfloat16 64 × 256 on one thread, about 150 µs of the module's backward against 56 µs of
+    ``rms_norm_backward_reference``). The residual add inside the node spares autograd's add node and the sum of summed's two
     gradients. Under ``torch.compile`` the custom op's torch branch runs the same forward and
     backward (``torch_rms_norm``).
     """
@@ -238,8 +238,8 @@ class _TorchRMSNormPair(torch.autograd.Function):
 
 
 #: How the torch backend differentiates RMSNorm eagerly: "analytic" (``_TorchRMSNorm``) or
-#: "autograd" (autograd of torch's RMSNorm op: the HF module's gradients bit for bit, at about
-#: three times the backward's time). Read from the environment variable
+#: "autograd" (autograd of torch's RMSNorm op: the HF module's gradients bit for bit, at the
+#: cost of the module's backward). Read from the environment variable
 #: NORMTOOLS_RMS_NORM_BACKWARD when this module is imported; a study records the one it trained
 #: with (``sysinfo.study_machine``) and its rerun sets it (``lab.reproduce``).
 RMS_NORM_BACKWARDS = ("analytic", "autograd")

@@ -154,3 +154,16 @@ def test_without_torchs_fused_op_the_same_bits_and_statistic(monkeypatch, dtype,
         expected = functional_call(module, {"weight": w}, (x,))
     assert torch.equal(fallback[0], expected) and torch.equal(fused[0], expected)
     assert torch.equal(fallback[1], fused[1])
+
+
+def test_x_and_residual_get_separate_gradient_tensors():
+    """The node hands one dx to x and to the residual; their .grad must not share storage, or an
+    in-place change of one (gradient clipping) would change the other."""
+    x, res = make_input((4, 8), torch.float32, seed=0), make_input((4, 8), torch.float32, seed=1)
+    x.requires_grad_(), res.requires_grad_()
+    w = torch.linspace(0.5, 1.5, 8, requires_grad=True)
+    normed, summed = normtools.add_rms_norm(x, res, w, backend="torch")
+    (normed.sum() + summed.sum()).backward()
+    assert torch.equal(x.grad, res.grad)
+    x.grad.mul_(2)
+    assert torch.equal(x.grad, 2 * res.grad)
