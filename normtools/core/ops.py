@@ -121,6 +121,23 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
     return dx, dw
 
 
+def _rms_norm_torch_forward(x, residual, weight, eps, offset, casting):
+    """(y, summed, rstd) on the torch backend: summed = x (+ residual), y = RMSNorm(summed) and
+    its float32 inverse RMS from ``rms_norm_native_with_rstd``; the custom op's torch branch and
+    ``_TorchRMSNorm`` forward."""
+    summed = x if residual is None else x + residual
+    y, rstd = rms_norm_native_with_rstd(summed, weight, eps, offset, casting)
+    return y, summed, rstd
+
+
+def _rms_norm_torch_backward(dy, summed, weight, rstd, dsum, offset):
+    """(dx, dw) on the torch backend: ``rms_norm_backward_reference``, dx plus the gradient
+    ``dsum`` of the residual sum, if any; the custom op's torch branch and ``_TorchRMSNorm``
+    backward."""
+    dx, dw = rms_norm_backward_reference(dy, summed, weight, rstd, offset)
+    return (dx if dsum is None else dx.add_(dsum)), dw
+
+
 @torch.library.custom_op("normtools::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
                   offset: float, casting: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -128,8 +145,7 @@ def _rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor
     y = RMSNorm(summed), rstd the float32 inverse RMS of shape (..., 1)."""
     if backend == "triton":
         return _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting)
-    summed = x if residual is None else x + residual
-    y, rstd = rms_norm_native_with_rstd(summed, weight, eps, offset, casting)
+    y, summed, rstd = _rms_norm_torch_forward(x, residual, weight, eps, offset, casting)
     return y, (x.new_empty(0) if residual is None else summed), rstd
 
 
@@ -148,9 +164,7 @@ def _rms_norm_bwd(dy: Tensor, x: Tensor, weight: Optional[Tensor], rstd: Tensor,
     empty tensor without a weight."""
     if backend == "triton":
         return _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset)
-    dx, dw = rms_norm_backward_reference(dy, x, weight, rstd, offset)
-    if dsum is not None:
-        dx = dx + dsum
+    dx, dw = _rms_norm_torch_backward(dy, x, weight, rstd, dsum, offset)
     return dx, (x.new_empty(0) if dw is None else dw)
 
 
@@ -194,15 +208,14 @@ class _TorchRMSNorm(torch.autograd.Function):
     Autograd of the module's operations (or of ``F.rms_norm``, the same operations on CPU)
     runs one backward node per operation, each a pass over (M, N) tensors and a dispatch (issue
     35: bfloat16 64 × 256 on one thread, about 150 µs of the module's backward against 56 µs of
-    ``rms_norm_backward_reference``). The residual add inside the node spares autograd's add node and the sum of summed's two
-    gradients. Under ``torch.compile`` the custom op's torch branch runs the same forward and
-    backward (``torch_rms_norm``).
+    ``rms_norm_backward_reference``). The residual add inside the node spares autograd's add
+    node and the sum of summed's two gradients. Under ``torch.compile`` the custom op's torch
+    branch runs the same forward and backward (``torch_rms_norm``).
     """
 
     @staticmethod
     def forward(ctx, x, residual, weight, eps, offset, casting):
-        summed = x if residual is None else x + residual
-        y, rstd = rms_norm_native_with_rstd(summed, weight, eps, offset, casting)
+        y, summed, rstd = _rms_norm_torch_forward(x, residual, weight, eps, offset, casting)
         ctx.save_for_backward(summed, weight, rstd)
         ctx.offset, ctx.has_residual = offset, residual is not None
         return y if residual is None else (y, summed)
@@ -210,11 +223,9 @@ class _TorchRMSNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, dsummed=None):
         summed, weight, rstd = ctx.saved_tensors
-        dx, dw = rms_norm_backward_reference(dy, summed, weight, rstd, ctx.offset)
-        if not ctx.has_residual:
-            return dx, None, dw, None, None, None
-        dx = dx.add_(dsummed)
-        return dx, dx, dw, None, None, None
+        dx, dw = _rms_norm_torch_backward(dy, summed, weight, rstd,
+                                          dsummed if ctx.has_residual else None, ctx.offset)
+        return dx, (dx if ctx.has_residual else None), dw, None, None, None
 
 
 class _TorchRMSNormPair(torch.autograd.Function):

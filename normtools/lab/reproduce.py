@@ -36,7 +36,8 @@ def rerun(document: dict, variant: str | None = None, lr: float | None = None,
     cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
             "variant": chosen["variant"]}
     settings = study.settings(document["size"])
-    return chosen, studies.run_record(study, cell, data or load_corpus(), settings, studies.provenance()["commit"])
+    return chosen, studies.run_record(study, cell, data or load_corpus(), settings,
+                                      studies.provenance()["commit"])
 
 
 #: oneDNN's instruction-set cap (``ONEDNN_MAX_CPU_ISA``) that goes with ATen's CPU capability:
@@ -79,7 +80,8 @@ def rerun_on_committed_path(path: str | Path, variant: str | None = None, lr: fl
         if value is not None:
             argv += [flag, str(value)]
     env = {**os.environ, **numeric_path_environment(machine)}
-    out = json.loads(subprocess.run(argv, env=env, capture_output=True, text=True, check=True).stdout)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    out = json.loads(done.stdout)
     return out["chosen"], out["record"], out["aten_cpu_capability"]
 
 
@@ -102,5 +104,6 @@ def compare_rerun(document: dict, chosen: dict, record: dict,
         rtol = REPRODUCTION_RTOL.get(metric, 1e-3)
         rows.append({"metric": metric, "committed": committed, "rerun": value,
                      "relative_difference": abs(value - committed) / abs(committed),
-                     "rtol": rtol, "reproduced": bool(np.isclose(value, committed, rtol=rtol, atol=0))})
+                     "rtol": rtol,
+                     "reproduced": bool(np.isclose(value, committed, rtol=rtol, atol=0))})
     return pd.DataFrame(rows)

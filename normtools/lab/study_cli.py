@@ -111,7 +111,8 @@ def _rerun_cli(args) -> int:
         print(json.dumps({"chosen": chosen, "record": record,
                           "aten_cpu_capability": torch.backends.cpu.get_cpu_capability()}))
         return 0
-    chosen, record, capability = reproduce.rerun_on_committed_path(args.file, args.variant, args.lr, args.seed)
+    chosen, record, capability = reproduce.rerun_on_committed_path(args.file, args.variant, args.lr,
+                                                                   args.seed)
     machine = document["conditions"]["machine"]
     print(f"{document['study']}: {chosen}, on ATen {capability} with {machine['torch_threads']} "
           f"thread(s) (committed on {machine['aten_cpu_capability']})")

@@ -97,7 +97,8 @@ def test_per_head_weight_rows_get_their_own_gradient(dtype):
     q_out, k_out = with_normtools(*(t.detach().requires_grad_() for t in inputs))
     q_node, k_node = (out.grad_fn.next_functions[0][0] for out in (q_out, k_out))  # under a view
     assert q_node is k_node and type(q_node).__name__ == "_TorchRMSNormPairBackward"
-    _, by_autograd = run_with_grads(per_head(reference.rms_norm_reference), inputs, dys)   # in dtype
+    # autograd of the reference operations, in the input dtype
+    _, by_autograd = run_with_grads(per_head(reference.rms_norm_reference), inputs, dys)
     _, exact = run_with_grads(per_head(rms_norm_f64), inputs, dys, cast=torch.float64)
     for name, got, same, ref in zip(("dq", "dk", "dqw", "dkw"), grads, by_autograd, exact):
         assert got.shape == ref.shape, name
@@ -122,7 +123,8 @@ def test_autograd_backward_gives_the_modules_gradient_bits(monkeypatch, dtype):
     module = LlamaRMSNorm(n, eps=1e-6).to(dtype)
     x, w = make_input((5, 7, n), dtype, seed=0), torch.linspace(0.5, 1.5, n).to(dtype)
     dys = [make_input(x.shape, dtype, seed=1)]
-    outs, grads = run_with_grads(lambda x, w: normtools.rms_norm(x, w, backend="torch"), (x, w), dys)
+    outs, grads = run_with_grads(lambda x, w: normtools.rms_norm(x, w, backend="torch"), (x, w),
+                                 dys)
     outs_module, grads_module = run_with_grads(
         lambda x, w: functional_call(module, {"weight": w}, (x,)), (x, w), dys)
     for got, expected in zip(outs + grads, outs_module + grads_module):

@@ -69,8 +69,10 @@ def test_numeric_path_environment_names_atens_and_onednns_paths():
     (the rerun test above is what shows the pinning reproduces a committed seed)."""
     env = reproduce.numeric_path_environment
     before = {"NORMTOOLS_RMS_NORM_BACKWARD": "autograd"}     # studies that predate the record
-    assert env({"aten_cpu_capability": "AVX2"}) == {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", **before}
-    assert env({"aten_cpu_capability": "DEFAULT"}) == {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", **before}
+    assert env({"aten_cpu_capability": "AVX2"}) == {
+        "ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2", **before}
+    assert env({"aten_cpu_capability": "DEFAULT"}) == {
+        "ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41", **before}
     assert env({"aten_cpu_capability": "AVX512", "rms_norm_backward": "analytic"}) == {
         "ATEN_CPU_CAPABILITY": "avx512", "NORMTOOLS_RMS_NORM_BACKWARD": "analytic"}
 

@@ -88,6 +88,7 @@ def main():
                                      text=True, check=True).stdout.strip()
                for label, ref in (("before", args.before), ("after", args.after))}
     steps = {label: {name: [] for name in CONFIGS} for label in commits}
+    study_file = Path("book") / "data" / "studies" / f"{args.study}.json"   # in each worktree
     load_at_start = os.getloadavg()
     with tempfile.TemporaryDirectory() as folder:
         trees = {label: Path(folder) / label for label in commits}
@@ -96,7 +97,6 @@ def main():
                            cwd=root, check=True)
         study_seconds = {backward: [] for backward in RMS_NORM_BACKWARDS}
         try:
-            study_file = Path("book") / "data" / "studies" / f"{args.study}.json"
             for _ in range(args.study_rounds):
                 for backward in RMS_NORM_BACKWARDS:
                     env = {**os.environ, "PYTHONPATH": str(trees["after"]),
@@ -125,7 +125,7 @@ def main():
              **{f"p{q}_ms": round(1e3 * percentile(steps[label][name], q), 2) for q in (50, 95, 99)},
              "steps": len(steps[label][name])}
             for name in CONFIGS for label in commits]
-    study = json.loads((root / "book" / "data" / "studies" / f"{args.study}.json").read_text())
+    study = json.loads((root / study_file).read_text())
     study_runs = [{"study": args.study, "rms_norm_backward": backward,
                    "configuration": configuration,
                    "run_seconds": seconds, "median_s": sorted(seconds)[len(seconds) // 2],
