@@ -258,6 +258,14 @@ RMS_NORM_BACKWARD = os.environ.get("NORMTOOLS_RMS_NORM_BACKWARD", "analytic")
 validate.check_choice("NORMTOOLS_RMS_NORM_BACKWARD", RMS_NORM_BACKWARD, RMS_NORM_BACKWARDS)
 
 
+def records_analytic_node(*tensors):
+    """Whether the torch backend differentiates an RMSNorm of ``tensors`` (None allowed) in its
+    own eager autograd node: a gradient to record, ``RMS_NORM_BACKWARD`` "analytic", and not
+    under ``torch.compile`` (which takes the custom op)."""
+    return (RMS_NORM_BACKWARD == "analytic" and not torch.compiler.is_compiling()
+            and records_graph(*tensors))
+
+
 def torch_rms_norm(x, weight, eps, offset, casting, residual=None):
     """The torch backend's RMSNorm of a plain tensor x (with ``residual``: of summed = x +
     residual, returning (y, summed)), its weight (N,), per-row-group (H, N) or None:
@@ -280,8 +288,7 @@ def torch_rms_norm(x, weight, eps, offset, casting, residual=None):
 def torch_rms_norm_pair(q, k, q_weight, k_weight, eps, offset, casting):
     """(``torch_rms_norm`` of q, of k), eagerly with a gradient to record in one autograd node
     (``_TorchRMSNormPair``)."""
-    if (RMS_NORM_BACKWARD == "autograd" or torch.compiler.is_compiling()
-            or not records_graph(q, k, q_weight, k_weight)):
+    if not records_analytic_node(q, k, q_weight, k_weight):
         return (torch_rms_norm(q, q_weight, eps, offset, casting),
                 torch_rms_norm(k, k_weight, eps, offset, casting))
     return _TorchRMSNormPair.apply(q, k, q_weight, k_weight, eps, offset, casting)

@@ -136,27 +136,35 @@ def _rows(x2d, row_len):
     return x2d.unflatten(-1, (-1, row_len))
 
 
+def norm_rows(x, head_dim, headed, per_layer):
+    """x as the rows QK-Norm normalizes: (..., H·head_dim) per layer, (..., H, head_dim) per
+    head (x itself where its layout already is its rows)."""
+    if per_layer:
+        return x.flatten(-2) if headed else x
+    return x if headed else x.view(*x.shape[:-1], -1, head_dim)
+
+
+def rows_as_heads(y, head_dim, per_layer):
+    """Normalized rows (``norm_rows``' layout) viewed as (..., H, head_dim) heads, the layout
+    RoPE rotates (as transformers' ``view(hidden_shape)``)."""
+    return y.view(*y.shape[:-1], y.shape[-1] // head_dim, head_dim) if per_layer else y
+
+
 def torch_qk_norm_rows(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer, offset,
                        casting):
     """QK-Norm of q and k as plain PyTorch operations, ``ops.torch_rms_norm_pair`` (one
-    autograd node for both) of their rows: (..., H·head_dim) per layer, (..., H, head_dim) per
-    head (x itself where its layout already is its rows)."""
-    def rows(x):
-        if per_layer:
-            return x.flatten(-2) if headed else x
-        return x if headed else x.view(*x.shape[:-1], -1, head_dim)
-    return torch_rms_norm_pair(rows(q), rows(k), q_weight, k_weight, eps, offset, casting)
+    autograd node for both) of their rows (``norm_rows``)."""
+    return torch_rms_norm_pair(norm_rows(q, head_dim, headed, per_layer),
+                               norm_rows(k, head_dim, headed, per_layer), q_weight, k_weight,
+                               eps, offset, casting)
 
 
 def torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer, offset,
                         casting):
-    """``torch_qk_norm_rows`` viewed as (..., H, head_dim) heads, the layout RoPE rotates (as
-    transformers' ``view(hidden_shape)``)."""
+    """``torch_qk_norm_rows`` viewed as heads (``rows_as_heads``)."""
     normed = torch_qk_norm_rows(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
                                 offset, casting)
-    if not per_layer:
-        return normed
-    return tuple(y.view(*y.shape[:-1], y.shape[-1] // head_dim, head_dim) for y in normed)
+    return tuple(rows_as_heads(y, head_dim, per_layer) for y in normed)
 
 
 def torch_forward(x2d, weight, row_len, eps, offset, casting):

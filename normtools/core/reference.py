@@ -148,16 +148,16 @@ def rms_norm_native_with_rstd(x, weight=None, eps=1e-6, offset=0.0, casting="lla
     if casting == "gemma":
         scale = offset + weight.to(torch.float32)
         if weight.dim() == 1:
-            normed, rstd = _f_rms_norm(x.to(torch.float32), scale, eps)
+            normed, rstd = _f_rms_norm(_float32(x), scale, eps)
         else:
-            normed, rstd = _f_rms_norm(x.to(torch.float32), None, eps)
+            normed, rstd = _f_rms_norm(_float32(x), None, eps)
             normed = normed * scale
-        return normed.to(x.dtype), rstd
+        return _cast(normed, x.dtype), rstd
     scale = weight if offset == 0 else offset + weight.to(torch.float32)
     if x.dtype == torch.float32 and weight.dim() == 1:
         return _f_rms_norm(x, scale, eps)
     normed, rstd = _f_rms_norm(x, None, eps)
-    return (scale * normed).to(rms_norm_output_dtype(x.dtype, weight.dtype, casting)), rstd
+    return _cast(scale * normed, rms_norm_output_dtype(x.dtype, weight.dtype, casting)), rstd
 
 
 def rms_norm_native(x, weight=None, eps=1e-6, offset=0.0, casting="llama"):
@@ -176,22 +176,43 @@ def rms_norm_backward_reference(dy, x, weight, rstd, offset=0.0):
 
     (the cast of x̂ to the input dtype in "llama" casting is treated as the identity).
     Returns (dx in x.dtype, dw in weight.dtype or None); all math in float32.
+
+    Written for few passes, buffers and calls, which decide its time at a small row block
+    (issue 35: a call costs a few µs before any arithmetic, and each new buffer is a cold one):
+    p = dy ⊙ x̂ serves both gradients, dw its sum over the rows and Σ x̂ ⊙ g = p · s one
+    matrix-vector product per row block; dx is computed in g's buffer, and the float32 copies
+    of bfloat16 inputs are reused in place; the 1/N rides on addcmul's scalar; a cast runs only
+    where the dtype changes.
     """
-    dy32 = dy.to(torch.float32)
-    x_hat = x.to(torch.float32) * rstd
+    x_hat = x.to(torch.float32).mul_(rstd) if x.dtype != torch.float32 else x * rstd
+    dy32 = _float32(dy)
+    dy_x_hat = dy32 * x_hat
     if weight is None:
-        g = dy32
+        g, row_dot = dy32.clone() if dy32 is dy else dy32, dy_x_hat.sum(-1, keepdim=True)
     else:
-        scale = weight.to(torch.float32)
-        g = dy32 * (scale if offset == 0 else scale + offset)
-    # mean(x̂ ⊙ g) as one dot product per row, g − x̂ · mean in one addcmul, · r in place: two
-    # (M, N) passes and buffers fewer than the expression written out
-    row_mean = torch.linalg.vecdot(x_hat, g).unsqueeze(-1).div_(x.shape[-1])
-    dx = torch.addcmul(g, x_hat, row_mean, value=-1).mul_(rstd)
+        scale = _float32(weight) if offset == 0 else weight.to(torch.float32) + offset
+        g = dy32 * scale if dy32 is dy else dy32.mul_(scale)
+        # Σ_j x̂ g = Σ_j p s: a (.., N) @ (N,) product, or per head for a (H, N) scale
+        row_dot = (dy_x_hat @ scale if scale.dim() == 1
+                   else torch.linalg.vecdot(dy_x_hat, scale)).unsqueeze(-1)
+    dx = _cast(g.addcmul_(x_hat, row_dot, value=-1 / x.shape[-1]).mul_(rstd), x.dtype)
     if weight is None:
-        return dx.to(x.dtype), None
-    dw = (dy32 * x_hat).sum_to_size(weight.shape)   # over every row (a (H, N) weight: per head)
-    return dx.to(x.dtype), dw.to(weight.dtype)
+        return dx, None
+    # Σ over the leading dims (a (H, N) weight keeps its heads); a single row is its own sum
+    leading = tuple(range(dy_x_hat.dim() - weight.dim()))
+    dw = dy_x_hat.sum(leading) if leading else dy_x_hat
+    return dx, _cast(dw, weight.dtype)
+
+
+def _float32(t):
+    """t in float32: ``_cast(t, torch.float32)``."""
+    return _cast(t, torch.float32)
+
+
+def _cast(t, dtype):
+    """t in ``dtype``; t itself where it has it (``.to`` then returns t too, after a dispatch
+    of about a µs, which the backward's small calls cannot spare)."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def layer_norm_statistics(x, eps):
@@ -297,6 +318,6 @@ def rope_backward_reference(dout, cos, sin):
 
         dx = dout · cos + rotate_halfᵀ(dout · sin),   rotate_halfᵀ(u₁, u₂) = (u₂, −u₁)
     """
-    u = dout.to(torch.float32) * sin.to(torch.float32)
-    u1, u2 = u.chunk(2, dim=-1)
-    return dout.to(torch.float32) * cos.to(torch.float32) + torch.cat((u2, -u1), dim=-1)
+    dout32 = _float32(dout)
+    u1, u2 = (dout32 * _float32(sin)).chunk(2, dim=-1)
+    return torch.cat((u2, -u1), dim=-1).addcmul_(dout32, _float32(cos))

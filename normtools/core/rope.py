@@ -8,9 +8,9 @@ exactly as Qwen3, Gemma 3 and OLMo 2 compute them in transformers (their q_norm 
 computed in PyTorch's promoted dtype of that output and cos / sin, each product and the sum
 rounded (normtools.core.reference.rope_reference); with ``cast_back=True`` the result is cast
 to the norm's output dtype (OLMo 2: float32 tables, ``q_embed.to(q.dtype)``).
-``backend="torch"`` runs that reference as plain PyTorch operations
-(``qk.torch_qk_norm_heads``, whose backward is the norm's analytic one, then
-``rope_reference``, which autograd differentiates);
+``backend="torch"`` runs that reference as plain PyTorch operations (the norm of
+``qk.torch_qk_norm_heads``, then ``rope_reference``), differentiated eagerly by one autograd
+node whose backward is analytic (``_TorchQKNormRope``);
 ``backend="triton"`` runs ``kernels/qk_norm_rope.py`` (kernels ``qk_norm_rope_fwd`` and
 ``qk_norm_rope_bwd``) behind the custom op ``normtools::qk_norm_rope_fwd`` (backward
 ``normtools::qk_norm_rope_bwd``), with fake implementations for ``torch.compile``, which a
@@ -27,10 +27,12 @@ import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend
-from normtools.core.ops import runs_torch_math
-from normtools.core.qk import (row_lens, torch_backward, torch_forward, torch_qk_norm_heads,
-                               weight_grad_from_partials, check_qk_inputs)
-from normtools.core.reference import (rms_norm_output_dtype, rope_backward_reference,
+from normtools.core.ops import records_analytic_node, runs_torch_math
+from normtools.core.qk import (check_qk_inputs, norm_rows, row_lens, rows_as_heads,
+                               torch_backward, torch_forward, torch_qk_norm_heads,
+                               weight_grad_from_partials)
+from normtools.core.reference import (rms_norm_backward_reference, rms_norm_native_with_rstd,
+                                      rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
 
 __all__ = ["qk_norm_rope"]
@@ -89,17 +91,64 @@ def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset
     return (rotated.to(normed.dtype) if cast_back else rotated), rstd
 
 
+class _TorchQKNormRope(torch.autograd.Function):
+    """RoPE(QK-Norm(q)), RoPE(QK-Norm(k)) on the torch backend, eager, when a gradient is
+    recorded, in one autograd node: forward, the norm of ``ops.torch_rms_norm_pair``'s node
+    (torch's RMSNorm op, its inverse RMS saved) and ``rope_reference`` of the heads, the
+    transformers bits; backward, in float32, the rotation's transpose
+    (``rope_backward_reference``) then the norm's analytic backward
+    (``rms_norm_backward_reference``). Autograd of ``rope_reference`` would record six nodes
+    a tensor (two products; rotate_half's chunk, negation and concatenation; the sum), each a
+    backward call and a pass, and add the two paths' gradients."""
+
+    @staticmethod
+    def forward(ctx, q_rows, k_rows, q_weight, k_weight, cos_heads, sin_heads, eps, offset,
+                casting, head_dim, per_layer, cast_back):
+        outs, rstds = [], []
+        for rows, weight in ((q_rows, q_weight), (k_rows, k_weight)):
+            normed, rstd = rms_norm_native_with_rstd(rows, weight, eps, offset, casting)
+            rotated = rope_reference(rows_as_heads(normed, head_dim, per_layer), cos_heads,
+                                     sin_heads)
+            outs.append(rotated.to(normed.dtype) if cast_back else rotated)
+            rstds.append(rstd)
+        ctx.save_for_backward(q_rows, k_rows, q_weight, k_weight, cos_heads, sin_heads, *rstds)
+        ctx.offset, ctx.per_layer = offset, per_layer
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, dq_out, dk_out):
+        q_rows, k_rows, q_weight, k_weight, cos_heads, sin_heads, q_rstd, k_rstd = \
+            ctx.saved_tensors
+        grads = []
+        for dout, rows, weight, rstd in ((dq_out, q_rows, q_weight, q_rstd),
+                                         (dk_out, k_rows, k_weight, k_rstd)):
+            dnormed = rope_backward_reference(dout, cos_heads, sin_heads)
+            grads.append(rms_norm_backward_reference(
+                dnormed.flatten(-2) if ctx.per_layer else dnormed, rows, weight, rstd,
+                ctx.offset))
+        (dq, dq_weight), (dk, dk_weight) = grads
+        return dq, dk, dq_weight, dk_weight, *[None] * 8
+
+
 def _torch_qk_norm_rope(q, k, q_weight, k_weight, cos_heads, sin_heads, eps, head_dim, headed,
                         per_layer, offset, casting, cast_back):
     """RoPE(QK-Norm(q)), RoPE(QK-Norm(k)) as plain PyTorch operations, on the norm's results
     viewed as (..., H, head_dim) heads; ``cos_heads`` / ``sin_heads``: the (..., 1, D) tables
     that broadcast over the heads (made once for q and k, as transformers' ``unsqueeze``). The
-    results have q's and k's shapes."""
-    heads = torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
-                                offset, casting)
-    rotated = [rope_reference(h, cos_heads, sin_heads) for h in heads]
-    if cast_back:
-        rotated = [r.to(h.dtype) for r, h in zip(rotated, heads)]
+    results have q's and k's shapes. Eagerly with a gradient to record, one autograd node
+    (``_TorchQKNormRope``); else the norm (``qk.torch_qk_norm_heads``), then
+    ``rope_reference``."""
+    if records_analytic_node(q, k, q_weight, k_weight):
+        rotated = _TorchQKNormRope.apply(
+            norm_rows(q, head_dim, headed, per_layer), norm_rows(k, head_dim, headed, per_layer),
+            q_weight, k_weight, cos_heads, sin_heads, eps, offset, casting, head_dim, per_layer,
+            cast_back)
+    else:
+        heads = torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
+                                    offset, casting)
+        rotated = [rope_reference(h, cos_heads, sin_heads) for h in heads]
+        if cast_back:
+            rotated = [r.to(h.dtype) for r, h in zip(rotated, heads)]
     return tuple(r if headed else r.reshape(x.shape) for r, x in zip(rotated, (q, k)))
 
 

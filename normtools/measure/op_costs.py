@@ -25,7 +25,9 @@ _ELEMENTWISE = {_aten.add.Tensor, _aten.add.Scalar, _aten.sub.Tensor, _aten.sub.
                 _aten.add_.Tensor, _aten.sub_.Tensor, _aten.mul_.Tensor, _aten.div_.Tensor,
                 _aten.div_.Scalar}
 #: Fused elementwise: two operations per output element (addcmul: a + v·b·c, a multiply and an add).
-_FUSED_PAIRS = {_aten.addcmul.default}
+_FUSED_PAIRS = {_aten.addcmul.default, _aten.addcmul_.default}
+#: Matrix-vector products: a multiply and an add per matrix element.
+_MATRIX_VECTOR = {_aten.mv.default}
 #: Reductions: one operation per input element.
 _REDUCTIONS = {_aten.sum.dim_IntList, _aten.sum.default, _aten.mean.dim, _aten.mean.default}
 #: Data movement only (views, casts, copies, allocation): no arithmetic.
@@ -47,6 +49,8 @@ class _FlopCounter(TorchDispatchMode):
             self.flops += out.numel()
         elif func in _FUSED_PAIRS:
             self.flops += 2 * out.numel()
+        elif func in _MATRIX_VECTOR:
+            self.flops += 2 * args[0].numel()
         elif func in _REDUCTIONS:
             self.flops += args[0].numel()
         elif func not in _FREE and isinstance(out, torch.Tensor):
@@ -57,8 +61,9 @@ class _FlopCounter(TorchDispatchMode):
 def count_flops(fn, *args, **kwargs):
     """(fn(*args, **kwargs), number of arithmetic operations it executed).
 
-    Counted at the ATen level: an elementwise op costs one operation per output element, a sum
-    or mean one per input element, casts, views, copies and ops without a tensor result nothing.
+    Counted at the ATen level: an elementwise op costs one operation per output element (two
+    for addcmul), a sum or mean one per input element, a matrix-vector product two per matrix
+    element, casts, views, copies and ops without a tensor result nothing.
     An ATen op outside these lists raises NotImplementedError rather than being counted wrong.
     Run it on meta tensors to count without computing.
     """

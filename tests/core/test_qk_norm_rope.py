@@ -8,7 +8,10 @@
   value (its sum of squares adds the two halves of a head separately, so r can differ in the
   last bit: float32 bit-exactness would need transformers' own reduction order).
 * Gradients (q, k and both weights) against autograd of float64 math (``_oracle``), for both
-  scopes, shared and per-head weights, and both casting conventions.
+  scopes, shared and per-head weights, and both casting conventions; OLMo 2's float32 tables
+  with the cast back to bfloat16.
+* The torch backend's eager autograd node: one for q and k, whose forward gives the no-grad
+  bits.
 """
 
 import importlib
@@ -171,6 +174,77 @@ def test_gradients_match_float64(backend, scope, weights, dtype, casting, offset
                                     grads64):
         assert got.shape == same.shape and got.dtype == same.dtype, name
         assert_close_to_oracle(got, ref, same, dtype, f"{scope}/{weights} {name}")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_olmo2_cast_back_gradients_match_float64(backend):
+    """OLMo 2's layout: bfloat16 q and k normalized per layer, float32 rotary tables, the
+    rotation computed in float32 and cast back to bfloat16 (``cast_back=True``); outputs and
+    gradients against float64, with the same operations in PyTorch as the rounding baseline."""
+    tokens, hq, hk, d, eps, dtype = 10, 4, 2, 16, 1e-6, torch.bfloat16
+    q = make_input((tokens, hq * d), dtype, seed=0)
+    k = make_input((tokens, hk * d), dtype, seed=1, scale=2.0)
+    gen = torch.Generator().manual_seed(2)
+    qw, kw = ((0.5 + torch.rand(h * d, generator=gen)).to(dtype) for h in (hq, hk))
+    cos, sin = rope_tables((tokens,), d, torch.float32, seed=3)
+    douts = [make_input(q.shape, dtype, seed=4), make_input(k.shape, dtype, seed=5)]
+
+    def fused(q, k, qw, kw):
+        return normtools.qk_norm_rope(q, k, qw, kw, cos, sin, eps, head_dim=d,
+                                      scope="per_layer", cast_back=True, backend=backend)
+
+    def same_ops(q, k, qw, kw):
+        return tuple(rope_reference(rms_norm_reference(x, w, eps).unflatten(-1, (-1, d)),
+                                    cos[:, None], sin[:, None]).to(dtype).flatten(-2)
+                     for x, w in ((q, qw), (k, kw)))
+
+    def exact(q, k, qw, kw):
+        return tuple(t.flatten(-2) for t in oracle(q.unflatten(-1, (-1, d)),
+                                                   k.unflatten(-1, (-1, d)), qw, kw, cos, sin,
+                                                   eps, d, "per_layer", 0.0))
+
+    inputs = (q, k, qw, kw)
+    outs, grads = run_with_grads(fused, inputs, douts)
+    outs_same, grads_same = run_with_grads(same_ops, inputs, douts)
+    outs64, grads64 = run_with_grads(exact, inputs, douts, cast=torch.float64)
+    for name, got, same, ref in zip(["q_out", "k_out"], outs, outs_same, outs64):
+        assert got.dtype == dtype and torch.equal(got, same), name   # the model's bits
+        assert_close_to_oracle(got, ref, same, dtype, name)
+    for name, got, same, ref in zip(["dq", "dk", "dq_weight", "dk_weight"], grads, grads_same,
+                                    grads64):
+        assert got.shape == same.shape and got.dtype == same.dtype, name
+        assert_close_to_oracle(got, ref, same, dtype, name)
+
+
+@pytest.mark.parametrize("scope, headed", [("per_head", True), ("per_head", False),
+                                           ("per_layer", False)])
+def test_torch_backend_records_one_node_with_the_no_grad_bits(scope, headed, monkeypatch):
+    """Eager, with a gradient to record, the torch backend differentiates q's and k's norm and
+    rotation in one autograd node (``_TorchQKNormRope``) whose forward gives the bits of the
+    no-grad path (the transformers bits, test_equals_the_models_norm_then_rope); with
+    NORMTOOLS_RMS_NORM_BACKWARD=autograd it records the reference operations instead."""
+    from normtools.core import ops
+    tokens, d, dtype = (2, 5), 16, torch.bfloat16
+    q = make_input((*tokens, 4, d) if headed else (*tokens, 4 * d), dtype, seed=0)
+    k = make_input((*tokens, 2, d) if headed else (*tokens, 2 * d), dtype, seed=1)
+    qw, kw = (torch.linspace(0.5, 1.5, n).to(dtype)
+              for n in ((d, d) if scope == "per_head" else (4 * d, 2 * d)))
+    cos, sin = rope_tables(tokens, d, dtype, seed=2)
+
+    def fused(*tensors):
+        return normtools.qk_norm_rope(*tensors, cos, sin, head_dim=d, scope=scope,
+                                      backend="torch")
+
+    with torch.no_grad():
+        expected = fused(q, k, qw, kw)
+    for mode, node in (("analytic", "_TorchQKNormRopeBackward"), ("autograd", None)):
+        monkeypatch.setattr(ops, "RMS_NORM_BACKWARD", mode)
+        outs = fused(q.requires_grad_(), k.requires_grad_(), qw, kw)
+        nodes = {type(o.grad_fn if headed else o.grad_fn.next_functions[0][0]).__name__
+                 for o in outs}
+        assert (nodes == {node}) if node else ("_TorchQKNormRopeBackward" not in nodes), mode
+        for got, want in zip(outs, expected):
+            assert torch.equal(got, want), mode
 
 
 def test_bad_rope_tables_raise_before_launch():

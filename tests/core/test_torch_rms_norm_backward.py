@@ -169,3 +169,39 @@ def test_x_and_residual_get_separate_gradient_tensors():
     assert torch.equal(x.grad, res.grad)
     x.grad.mul_(2)
     assert torch.equal(x.grad, 2 * res.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape, weight_shape, offset", [
+    ((7, 40), None, 0.0),          # no weight: g is dy itself (a copy, dy is not written)
+    ((40,), (40,), 0.0),           # a single row: dw is that row's dy ⊙ x̂, no sum
+    ((3, 5, 40), (40,), 1.0),      # Gemma's 1 + w, leading dims summed for dw
+    ((6, 4, 16), (4, 16), 0.0),    # one weight row per head: dw summed over tokens only
+], ids=str)
+@pytest.mark.parametrize("dy_kind", ["dense", "expanded"])
+def test_reference_backward_meets_the_float64_gradients(dtype, shape, weight_shape, offset,
+                                                        dy_kind):
+    """``reference.rms_norm_backward_reference`` called directly, for every weight layout it
+    serves, against autograd of the float64 oracle; with an expanded dy (what ``y.sum()``
+    hands back) as well as a dense one, and neither dy nor x is written."""
+    x = make_input(shape, dtype, seed=0)
+    weight = None if weight_shape is None else \
+        (torch.rand(weight_shape, generator=torch.Generator().manual_seed(1)) + 0.5
+         - offset).to(dtype)
+    dy = (make_input(shape, dtype, seed=2) if dy_kind == "dense"
+          else torch.full((), 0.75, dtype=dtype).expand(shape))
+    rstd = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6).float()
+    x_before, dy_before = x.clone(), dy.clone()
+    dx, dw = reference.rms_norm_backward_reference(dy, x, weight, rstd, offset)
+    assert torch.equal(x, x_before) and torch.equal(dy, dy_before)
+    _, exact = run_with_grads(lambda x, w: rms_norm_f64(x, w, 1e-6, offset), (x, weight), [dy],
+                              cast=torch.float64)
+    _, same = run_with_grads(lambda x, w: reference.rms_norm_reference(x, w, 1e-6, offset),
+                             (x, weight), [dy])
+    assert dx.shape == x.shape and dx.dtype == x.dtype
+    assert_close_to_oracle(dx, exact[0], same[0], dtype, "dx")
+    if weight is None:
+        assert dw is None
+    else:
+        assert dw.shape == weight.shape and dw.dtype == weight.dtype
+        assert_close_to_oracle(dw, exact[1], same[1], dtype, "dw")
