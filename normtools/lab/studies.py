@@ -431,7 +431,8 @@ def merge_studies(paths, out: str | Path | None = None) -> dict:
     order, the wall seconds summed, the provenance of the first file. ``ValueError`` unless every
     file holds the same study, size, thresholds and conditions (model, steps, seeds, machine:
     the numeric path a rerun needs) and a run present in two files is the same record in both
-    (whatever its seconds). With ``out``, the document is written there."""
+    (whatever its seconds), and every run is a cell of the study. With ``out``, the document is
+    written there."""
     documents = [json.loads(Path(p).read_text()) for p in paths]
     if not documents:
         raise ValueError("no study files to merge")
@@ -458,6 +459,11 @@ def merge_studies(paths, out: str | Path | None = None) -> dict:
             runs.setdefault(key, record)
     study = _study_with_seeds(first["study"], first["conditions"]["seeds"])
     order = {_run_key(c): i for i, c in enumerate(study.cells(first["size"]))}
+    strays = [key for key in runs if key not in order]
+    if strays:
+        raise ValueError(f"runs {strays} (variant, lr, seed) are not cells of the "
+                         f"{first['study']} study at size {first['size']!r} with seeds "
+                         f"{first['conditions']['seeds']}")
     merged = {**first, "conditions": dict(first["conditions"]),
               "runs": sorted(runs.values(), key=lambda r: order[_run_key(r)])}
     merged["conditions"]["wall_seconds"] = sum(d["conditions"].get("wall_seconds", 0) for d in documents)

@@ -92,7 +92,8 @@ def test_cli_writes_and_resumes_a_study(tmp_path):
 
 def test_shards_merge_into_the_study_trained_whole(tmp_path):
     """Two shards (whole seeds each) merged give the runs of one unsharded process, in its
-    order; a part from another size, or a run that differs between parts, is refused."""
+    order; a part from another size, a run that differs between parts, or a run outside the
+    study's cells is refused."""
     base = ["lab", "run", "precision", "--size", "test", "--seeds", "2"]
     whole, parts = tmp_path / "whole.json", [tmp_path / f"part{i}.json" for i in range(2)]
     assert cli.main(base + ["--out", str(whole)]) == 0
@@ -115,6 +116,11 @@ def test_shards_merge_into_the_study_trained_whole(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ValueError, match="in size"):
         studies.merge_studies([parts[0], tmp_path / "other.json"])
+    stray = json.loads(parts[1].read_text())
+    stray["runs"][0]["lr"] = 123.0                 # no cell of the study has this learning rate
+    (tmp_path / "stray.json").write_text(json.dumps(stray))
+    with pytest.raises(ValueError, match="not cells of the precision study"):
+        studies.merge_studies([parts[0], tmp_path / "stray.json"])
 
 
 @pytest.mark.parametrize("name", sorted(studies.INIT_PROBES))
