@@ -63,6 +63,24 @@ def test_committed_study_rerun_reproduces_its_losses(name):
     assert check["reproduced"].all(), check.to_string()
 
 
+def test_the_study_wall_time_trained_the_committed_study():
+    """book/data/kernels/study_wall.json (chapter 4b: a whole study before and after issue 35)
+    holds every run of the committed study it names in each version, and the version on the
+    committed path (RMSNorm backward "autograd", the committed machine's numeric path) ends
+    every run at the committed final loss: the timed studies trained what was committed."""
+    wall = json.loads((STUDY_DIR.parent / "kernels" / "study_wall.json").read_text())
+    document = committed(wall["conditions"]["study"])
+    rows = {row["version"]: row for row in wall["rows"]}
+    assert set(rows) == {"before", "after", "after, autograd"}
+    n_runs = len(document["runs"])
+    for row in rows.values():
+        assert row["runs"] == len(row["run_seconds"]) == len(row["final_losses"]) == n_runs
+        assert row["train_seconds"] == pytest.approx(sum(row["run_seconds"]), abs=0.5)
+    committed_losses = [run["final_loss"] for run in document["runs"]]
+    np.testing.assert_array_equal(rows["after, autograd"]["final_losses"], committed_losses)
+    assert rows["after, autograd"]["final_losses_equal_to_committed"] == n_runs
+
+
 def test_numeric_path_environment_names_atens_and_onednns_paths():
     """ATen's capability as its variable spells it; oneDNN capped to the same ISA where one
     matches; normtools' RMSNorm backward as recorded, "autograd" for a study recorded before
