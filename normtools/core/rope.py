@@ -83,12 +83,18 @@ def _dtypes(x_dtype, weight_dtype, casting, table_dtype, cast_back):
 
 # ----------------------------------------------------------------------------- torch backend
 
+def _rotated(heads, cos_heads, sin_heads, cast_back):
+    """``rope_reference`` of normalized heads, cast back to their dtype with ``cast_back``
+    (OLMo 2's ``q_embed.to(q.dtype)``)."""
+    rotated = rope_reference(heads, cos_heads, sin_heads)
+    return rotated.to(heads.dtype) if cast_back else rotated
+
+
 def _torch_forward_one(x2d, weight, cos2d, sin2d, row_len, head_dim, eps, offset, casting,
                        cast_back):
     normed, rstd = torch_forward(x2d, weight, row_len, eps, offset, casting)
     heads = normed.unflatten(-1, (-1, head_dim))
-    rotated = rope_reference(heads, cos2d[:, None], sin2d[:, None]).flatten(-2)
-    return (rotated.to(normed.dtype) if cast_back else rotated), rstd
+    return _rotated(heads, cos2d[:, None], sin2d[:, None], cast_back).flatten(-2), rstd
 
 
 class _TorchQKNormRope(torch.autograd.Function):
@@ -107,9 +113,8 @@ class _TorchQKNormRope(torch.autograd.Function):
         outs, rstds = [], []
         for rows, weight in ((q_rows, q_weight), (k_rows, k_weight)):
             normed, rstd = rms_norm_native_with_rstd(rows, weight, eps, offset, casting)
-            rotated = rope_reference(rows_as_heads(normed, head_dim, per_layer), cos_heads,
-                                     sin_heads)
-            outs.append(rotated.to(normed.dtype) if cast_back else rotated)
+            outs.append(_rotated(rows_as_heads(normed, head_dim, per_layer), cos_heads,
+                                 sin_heads, cast_back))
             rstds.append(rstd)
         ctx.save_for_backward(q_rows, k_rows, q_weight, k_weight, cos_heads, sin_heads, *rstds)
         ctx.offset, ctx.per_layer = offset, per_layer
@@ -146,9 +151,7 @@ def _torch_qk_norm_rope(q, k, q_weight, k_weight, cos_heads, sin_heads, eps, hea
     else:
         heads = torch_qk_norm_heads(q, k, q_weight, k_weight, eps, head_dim, headed, per_layer,
                                     offset, casting)
-        rotated = [rope_reference(h, cos_heads, sin_heads) for h in heads]
-        if cast_back:
-            rotated = [r.to(h.dtype) for r, h in zip(rotated, heads)]
+        rotated = [_rotated(h, cos_heads, sin_heads, cast_back) for h in heads]
     return tuple(r if headed else r.reshape(x.shape) for r, x in zip(rotated, (q, k)))
 
 

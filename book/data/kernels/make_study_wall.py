@@ -102,13 +102,14 @@ def main():
         for label, (commit, extra) in plan.items():
             if complete(outs[label]):
                 continue
-            env = {**os.environ, "PYTHONPATH": str(worktree(work, commit)),
-                   **numeric_path_environment(machine), **extra}
+            tree = worktree(work, commit)
+            env = {**os.environ, "PYTHONPATH": str(tree), **numeric_path_environment(machine),
+                   **extra}
             subprocess.run([sys.executable, "-m", "normtools", "lab", "run", args.study,
                             "--size", committed["size"], "--seeds", str(seeds), "--threads",
                             str(machine["torch_threads"]), "--max-runs",
                             str(args.runs_per_turn), "--out", str(outs[label])],
-                           cwd=worktree(work, commit), env=env, check=True,
+                           cwd=tree, env=env, check=True,
                            stdout=subprocess.DEVNULL)
             runs = len(json.loads(outs[label].read_text())["runs"])
             with turns_file.open("a") as turns:
