@@ -49,7 +49,9 @@ one program covers across the tokens: per_head, BLOCK_H consecutive heads (H / B
 per tensor); per_layer, the whole row (one slot, its heads in GROUPS = H / BLOCK_H tiles).
 The grid is persistent: program p of a tensor handles slot p % n_slots for the tokens
 [(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M at a time; the q programs
-come first, then the k programs.
+come first, then the k programs. Each tensor has its own tokens_per_program: the launch plan
+gives q and k programs in proportion to the heads of their slots, so that a k program (Hk
+heads) is not done Hq / Hk times sooner than a q program.
 
 Traffic. When a slot is one tile (per_head always; per_layer while H · D fits one tile, which
 the launch plan decides) its weights are read once per program and every token's x, cos and
@@ -82,9 +84,9 @@ from normtools._kernels.tiles import row_block
 
 @triton.jit
 def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
-                     n_tokens, tokens_per_program, q_slots, k_slots, n_q_programs,
-                     stride_q, stride_k, stride_qo, stride_ko, stride_cos, stride_sin,
-                     qw_head_stride, kw_head_stride, eps, offset,
+                     n_tokens, q_tokens_per_program, k_tokens_per_program, q_slots, k_slots,
+                     n_q_programs, stride_q, stride_k, stride_qo, stride_ko, stride_cos,
+                     stride_sin, qw_head_stride, kw_head_stride, eps, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
                      PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
@@ -97,13 +99,13 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
     layer."""
     pid = tl.program_id(0)
     if pid < n_q_programs:
-        _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, tokens_per_program, q_slots,
-                        stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
+        _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, q_tokens_per_program,
+                        q_slots, stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
                         offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF,
                         ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
     else:
         _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid - n_q_programs, n_tokens,
-                        tokens_per_program, k_slots, stride_k, stride_ko, stride_cos,
+                        k_tokens_per_program, k_slots, stride_k, stride_ko, stride_cos,
                         stride_sin, kw_head_stride, eps, offset, HEAD_DIM, K_HEADS, PER_LAYER,
                         BLOCK_M, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE)
 
@@ -111,9 +113,9 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
 @triton.jit
 def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
                      DQW_PARTIAL, DKW_PARTIAL,
-                     n_tokens, tokens_per_program, q_slots, k_slots, n_q_programs,
-                     stride_q, stride_k, stride_dqo, stride_dko, stride_dq, stride_dk,
-                     stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
+                     n_tokens, q_tokens_per_program, k_tokens_per_program, q_slots, k_slots,
+                     n_q_programs, stride_q, stride_k, stride_dqo, stride_dko, stride_dq,
+                     stride_dk, stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
                      PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
@@ -123,12 +125,12 @@ def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
     pid = tl.program_id(0)
     if pid < n_q_programs:
         _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
-                         tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
+                         q_tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
                          stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,
                          PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF)
     else:
         _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs,
-                         n_tokens, tokens_per_program, k_slots, stride_k, stride_dko,
+                         n_tokens, k_tokens_per_program, k_slots, stride_k, stride_dko,
                          stride_dk, stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM,
                          K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF)
 

@@ -1,7 +1,7 @@
 """Launch hooks: the one extension point through which measurement sees the kernel launches.
 
 Every launch of every op goes through ``normtools.core.launch.kernel_for`` and
-``normtools.core.launcher.plan_for``; these three hooks, each a context variable (so a hook set
+``normtools.core.launcher.plan_for``; these four hooks, each a context variable (so a hook set
 in one thread or task never leaks into another), change what those two do:
 
 * ``planning_for_cuda(sm_count, capability)``: plan_for gives CPU tensors the launch plan of a
@@ -9,6 +9,10 @@ in one thread or task never leaks into another), change what those two do:
   ``normtools.measure.bytes_counter`` (bytes counted on the GPU's plan),
   ``normtools.measure.spills`` (compiling each plan per compute capability) and
   ``normtools.measure.bench.backends`` (the chunked plan of a GPU without clusters).
+* ``replaying_rows(rows)``: plan_for keeps each tensor's rows per program (and heads per
+  slot) of a kernel from ``rows`` whatever the number of rows, so a few programs of a real
+  plan run at a fraction of its rows. Used by the bytes counter, which counts a launch's
+  bytes on a few of its programs.
 * ``recording_launches()``: kernel_for records each launch (kernel, grid, arguments) instead
   of running it. Used by ``normtools.measure.spills``, which compiles the recorded launches
   for a GPU ahead of time.
@@ -32,6 +36,7 @@ INTERPRETED_LAUNCH_OBSERVER = contextvars.ContextVar("normtools_launch_observer"
 
 _LAUNCH_RECORDER = contextvars.ContextVar("normtools_launch_recorder", default=None)
 _PLAN_TARGET = contextvars.ContextVar("normtools_plan_target", default=None)
+_REPLAYED_ROWS = contextvars.ContextVar("normtools_replayed_rows", default=None)
 
 
 @contextlib.contextmanager
@@ -51,6 +56,23 @@ def planning_for_cuda(sm_count=DEFAULT_SM_COUNT, capability=DEFAULT_CAPABILITY):
 def cuda_plan_target():
     """(SMs, compute capability) of the enclosing ``planning_for_cuda``, or None."""
     return _PLAN_TARGET.get()
+
+
+@contextlib.contextmanager
+def replaying_rows(rows):
+    """Within this context, ``plan_for`` gives the kernels named in ``rows`` ({kernel name:
+    ((rows_per_program, heads_per_slot) per tensor, ...)}) those rows per program and heads
+    per slot, with as many programs as the rows need (``launch_plan``'s ``fixed_rows``)."""
+    token = _REPLAYED_ROWS.set(rows)
+    try:
+        yield
+    finally:
+        _REPLAYED_ROWS.reset(token)
+
+
+def replayed_rows(kernel):
+    """The rows per program of ``kernel`` in an enclosing ``replaying_rows``, or None."""
+    return (_REPLAYED_ROWS.get() or {}).get(kernel)
 
 
 @contextlib.contextmanager

@@ -16,14 +16,22 @@ the first compile of a cluster kernel on CUDA, that its PTX carries the cluster 
 with a CTA-scope barrier (``tl.debug_barrier``), correct only within one CTA: a chunked plan
 never spans a cluster (``launch_plan`` raises if a table row asks for one).
 
-Launch options pinned at every launch (``LAUNCH_OPTIONS``, passed by
-``launcher.kernel_for``): ``enable_fp_fusion=True``, Triton 3.9's default, written out because
-the default changes in a later Triton. With it a multiply followed by an add may be contracted
-into one FMA (today the float32 RoPE rotation is); pinning it keeps the results of every
-kernel as they were checked. Triton's interpreter ignores the option.
+Launch options pinned at every launch (``launch_options(num_warps)``, passed by
+``launcher.kernel_for``; Triton's interpreter ignores them):
+
+* ``enable_fp_fusion=True``, Triton 3.9's default, written out because the default changes in
+  a later Triton. With it a multiply followed by an add may be contracted into one FMA (today
+  the float32 RoPE rotation is); pinning it keeps the results of every kernel as they were
+  checked.
+* ``maxnreg`` = the registers a thread may have with one CTA per SM (65536 / (32 x
+  num_warps), at most 255). The grids are one program per SM, so occupancy beyond one CTA
+  buys nothing; left to itself, ptxas aims at two 16-warp CTAs per SM, caps a thread at 64
+  registers and spills (per-head QK-Norm's float32 backward at head_dim 64: 44 B at sm_90,
+  none at 85 registers with the cap lifted).
 """
 
 import dataclasses
+import functools
 from typing import Optional
 
 import torch
@@ -49,11 +57,19 @@ DEFAULT_CAPABILITY = 90
 # release, read by cuda_row_config at every call (tests replace it).
 CLUSTER_MIN_TRITON = (3, 9)
 TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
-# Options of every launch (see the module docstring).
-LAUNCH_OPTIONS = {"enable_fp_fusion": True}
+# 32-bit registers of one SM (sm_75 to sm_90), and the most one thread may have.
+SM_REGISTERS = 65536
+MAX_THREAD_REGISTERS = 255
 
 KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
            "qk_norm_fwd", "qk_norm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
+
+
+def launch_options(num_warps):
+    """The compile options of every launch of ``num_warps`` warps (see the module
+    docstring)."""
+    return {"enable_fp_fusion": True,
+            "maxnreg": min(MAX_THREAD_REGISTERS, SM_REGISTERS // (32 * num_warps))}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,12 +229,30 @@ CUDA_ROW_CONFIGS = {
 
 
 @dataclasses.dataclass(frozen=True)
+class Share:
+    """One tensor's programs in a launch: ``slots`` independent row sets (QK-Norm: its head
+    slots, each of ``heads_per_slot`` heads), ``groups`` programs per slot, each over
+    ``rows_per_program`` consecutive rows of its slot (the last program of a slot may get
+    fewer)."""
+
+    slots: int
+    groups: int
+    rows_per_program: int
+    heads_per_slot: int = 1
+
+    @property
+    def programs(self):
+        return self.slots * self.groups
+
+
+@dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     """One launch of a row-wise kernel over an (M, N) matrix: BLOCK_M rows x BLOCK_N columns
     per tile, ``num_warps`` per CTA, a persistent grid of ``programs`` of ``num_ctas`` CTAs
-    each (a cluster when > 1), each looping over ``rows_per_program`` rows, and the reason
-    the configuration was picked. ``single_pass``: the whole row fits one tile (N <= BLOCK_N),
-    the kernels' SINGLE_PASS."""
+    each (a cluster when > 1), and the reason the configuration was picked. ``shares``: the
+    grid's programs per tensor, in launch order (one Share for a row op; q's, then k's for
+    QK-Norm); ``rows_per_program`` is the first tensor's. ``single_pass``: the whole row fits
+    one tile (N <= BLOCK_N), the kernels' SINGLE_PASS."""
 
     block_m: int
     block_n: int
@@ -228,6 +262,7 @@ class LaunchPlan:
     single_pass: bool
     reason: str
     num_ctas: int = 1
+    shares: tuple = ()
 
 
 def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
@@ -244,20 +279,79 @@ def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
                 and (clusters or config.num_ctas == 1))
 
 
-def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT, slots=1,
-                capability=DEFAULT_CAPABILITY, resident_limit=None):
+@functools.lru_cache(maxsize=4096)
+def share_programs(limit, m, tensors, group_heads=False):
+    """Split a persistent grid of at most ``limit`` programs over the tensors of one launch.
+
+    ``tensors``: per tensor (slots, work), ``work`` the cost of one row of a slot (QK-Norm:
+    the heads it holds; the kernels are bound by memory, so a row's time is its bytes). Tensor
+    i gets g_i programs per slot, each over r_i = ceil(m / g_i) rows, so its longest program
+    costs work_i · r_i. The split is the one whose longest program is shortest,
+
+        t* = min { t : Σ_i slots_i · g_i(t) <= limit },   g_i(t) = ceil(m / floor(t / work_i)),
+
+    with the fewest programs for that t (each g_i(t) is the least that meets t). Equal q and
+    k programs instead (the same tokens each) left the k programs idle for most of the launch
+    when k has fewer heads (Hq = 32, Hk = 8: about 0.6 of the SM time used). With more slots
+    than ``limit``, every slot gets one program.
+
+    ``group_heads``: the slots are heads that a program may take several of, one after
+    another (per-head QK-Norm). Each power of two h of heads per slot (up to every head of
+    the tensor in one slot) is split as above, with ceil(slots_i / h) slots of
+    min(h, slots_i) · work_i; the h whose longest program is shortest wins (times the waves,
+    where one program per slot is already more than ``limit``), ties to the larger h (fewer
+    programs). Few rows: a slot per head, the heads are the parallelism; many
+    rows: several heads per slot (often every head), so that 72 head slots do not leave 60 of
+    132 SMs idle.
+    Returns a tuple of Share."""
+    if group_heads:
+        options, heads = [], 1
+        while True:
+            grouped = tuple((-(-slots // heads), min(heads, slots) * work)
+                            for slots, work in tensors)
+            shares = share_programs(limit, m, grouped)
+            longest = max(work * share.rows_per_program
+                          for (_, work), share in zip(grouped, shares))
+            waves = -(-sum(share.programs for share in shares) // limit)
+            options.append((longest * waves, -heads, shares))
+            if heads >= max(slots for slots, _ in tensors):
+                break
+            heads *= 2
+        _, minus_heads, shares = min(options, key=lambda option: option[:2])
+        return tuple(dataclasses.replace(share, heads_per_slot=-minus_heads) for share in shares)
+    m = max(m, 1)
+    times = sorted({work * -(-m // groups) for _, work in tensors
+                    for groups in range(1, min(m, limit) + 1)})
+    for t in times:
+        if all(t >= work for _, work in tensors):
+            groups = [-(-m // (t // work)) for _, work in tensors]
+            if sum(slots * g for (slots, _), g in zip(tensors, groups)) <= limit:
+                return tuple(Share(slots, g, -(-m // g)) for (slots, _), g in zip(tensors, groups))
+    return tuple(Share(slots, 1, m) for slots, _ in tensors)
+
+
+def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT,
+                tensors=((1, 1),), capability=DEFAULT_CAPABILITY, resident_limit=None,
+                group_heads=False, fixed_rows=None):
     """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
     reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
-    spill report) use the same block sizes and grid.
+    spill report, SM-time model) use the same block sizes and grid.
 
-    Grids are persistent: ``slots`` independent row sets (QK-Norm: one per head slot of q and
-    k) get ``groups`` = max(1, limit // slots) programs each, limit = PROGRAMS_PER_SM x
-    ``sm_count`` // ``num_ctas`` (a program of a cluster plan is ``num_ctas`` CTAs), so the
-    grid never holds more than one wave of resident programs (unless there are more slots
-    than the limit): rounding up instead gave per-head QK-Norm's 40 slots 160 programs on 132
-    SMs, 28 of them a second wave (``normtools.measure.sm_balance``). A program loops over
-    ``rows_per_program`` rows of its slot (a multiple of BLOCK_M), so the weight is read once
-    per program, not once per row.
+    Grids are persistent and one wave: at most limit = PROGRAMS_PER_SM x ``sm_count`` //
+    ``num_ctas`` programs (a program of a cluster plan is ``num_ctas`` CTAs; rounding up
+    instead gave per-head QK-Norm's 40 slots 160 programs on 132 SMs, 28 of them a second
+    wave), shared among ``tensors`` (per tensor: (slots, work of a row of a slot); one
+    tensor of one slot for a row op, q's and k's head slots for QK-Norm) by
+    ``share_programs`` (``group_heads``: a program may take several head slots), so that the
+    longest program is as short as the limit allows. A
+    program loops over its ``rows_per_program`` rows, BLOCK_M at a time (the last block
+    masked), so the weight is read once per program, not once per row. On CUDA rows are
+    handed out one by one, not in whole BLOCK_M blocks (whole blocks of 8 float32 rows of
+    2048 left M = 6592 at 0.89 of the SM time); on CPU in whole blocks.
+
+    ``fixed_rows``: per tensor (rows_per_program, heads_per_slot) to keep instead of
+    splitting the limit, with ceil(m / rows_per_program) programs per slot (how the bytes
+    counter runs a few programs of a real plan: ``launch_hooks.replaying_rows``).
 
     ``resident_limit`` (CUDA only): the programs the GPU holds at once, when known, replacing
     the computed limit: limit = max(1, ``resident_limit``). A cluster of 4 or more CTAs must
@@ -287,8 +381,15 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         raise ValueError(f"{kernel}: a chunked plan (N = {n} in chunks of {block_n}) on a "
                          f"cluster of {num_ctas} CTAs; the chunked kernels' barrier is CTA-scope")
     block_m = max(1, min(tile // block_n, triton.next_power_of_2(max(m, 1))))
-    blocks = triton.cdiv(m, block_m)
-    groups = max(1, min(blocks, limit // slots))
-    programs, rows_per_program = slots * groups, triton.cdiv(blocks, groups) * block_m
-    return LaunchPlan(block_m, block_n, num_warps, programs, rows_per_program, n <= block_n,
-                      reason, num_ctas)
+    # CUDA hands out rows; the interpreter runs programs one after another, so on CPU whole
+    # BLOCK_M blocks (the fewest, fullest programs)
+    unit = 1 if device_type == "cuda" else block_m
+    if fixed_rows is not None:
+        shares = tuple(Share(triton.cdiv(slots, heads), triton.cdiv(max(m, 1), rows), rows, heads)
+                       for (slots, _), (rows, heads) in zip(tensors, fixed_rows))
+    else:
+        shares = tuple(dataclasses.replace(share, rows_per_program=share.rows_per_program * unit)
+                       for share in share_programs(limit, triton.cdiv(m, unit), tuple(tensors),
+                                                   group_heads))
+    return LaunchPlan(block_m, block_n, num_warps, sum(share.programs for share in shares),
+                      shares[0].rows_per_program, n <= block_n, reason, num_ctas, shares)

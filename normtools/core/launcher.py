@@ -15,7 +15,8 @@ A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it 
   a device guard for CUDA tensors; the same kernel run by Triton's interpreter for CPU tensors
   (``normtools.core._triton_interpreter``), also in a process in which ``TRITON_INTERPRET`` was
   never set; a recorder inside ``launch_hooks.recording_launches``. Every launch gets
-  ``launch_plans.LAUNCH_OPTIONS`` (``enable_fp_fusion=True``), and the first compile of a
+  ``launch_plans.launch_options`` (``enable_fp_fusion=True``, ``maxnreg`` for one CTA per
+  SM), and the first compile of a
   cluster kernel (``num_ctas`` > 1) on CUDA is checked by ``check_cluster_ptx`` and measured
   by the occupancy query (``record_resident_clusters``).
 * ``as_rows``: a (M, N) view of a tensor with unit stride along N (a copy only if needed).
@@ -33,7 +34,7 @@ import triton
 from normtools._kernels import partials as _partials
 from normtools.core import launch_hooks, launch_plans, occupancy
 from normtools.core._triton_interpreter import InterpretedKernel, is_interpreted
-from normtools.core.launch_plans import LAUNCH_OPTIONS, launch_plan
+from normtools.core.launch_plans import launch_options, launch_plan
 
 # PTX instructions that a kernel split over a thread-block cluster must contain: the
 # cluster-wide barrier and the mapping of a shared-memory address to another CTA's (the
@@ -56,9 +57,11 @@ def resolve_backend(backend, device):
     return "triton" if kind == "cuda" or _interpreter_requested() else "torch"
 
 
-def plan_for(kernel, dtype, m, n, device, slots=1):
+def plan_for(kernel, dtype, m, n, device, tensors=((1, 1),), group_heads=False):
     """``launch_plans.launch_plan`` for tensors on ``device`` (its SM count on CUDA), or for
-    the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``.
+    the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``; ``tensors``: per
+    tensor of the launch, (slots, work of a row of a slot); ``group_heads``: a program may
+    take several slots.
 
     On CUDA, a cluster plan (``num_ctas`` > 1) whose grid has more programs than the GPU holds
     clusters of the compiled kernel at once (``_RESIDENT_CLUSTERS``, the occupancy query's
@@ -69,18 +72,20 @@ def plan_for(kernel, dtype, m, n, device, slots=1):
     target = launch_hooks.cuda_plan_target()
     if target is not None:
         sm_count, capability = target
-        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
+        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
+                           group_heads=group_heads, fixed_rows=launch_hooks.replayed_rows(kernel))
     if torch.device(device).type == "cuda":
         sm_count, capability = cuda_sm_count_and_capability(device)
-        plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability)
+        plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
+                           group_heads=group_heads)
         if plan.num_ctas > 1:
             resident = _RESIDENT_CLUSTERS.get(
                 (kernel, cuda_index(device), plan.num_ctas, plan.num_warps))
             if resident is not None and plan.programs > resident:
-                plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, slots, capability,
-                                   resident_limit=resident)
+                plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
+                                   resident_limit=resident, group_heads=group_heads)
         return plan
-    return launch_plan(kernel, dtype, m, n, "cpu", slots=slots)
+    return launch_plan(kernel, dtype, m, n, "cpu", tensors=tensors, group_heads=group_heads)
 
 
 def cuda_index(device):
@@ -107,7 +112,7 @@ def kernel_for(kernel, device):
     TRITON_INTERPRET=1 made it an interpreted function at import). Use as
     ``kernel_for(k, x.device)[grid](...)``. A CUDA launch runs inside a device guard for
     ``device``. Inside ``launch_hooks.recording_launches`` the launch is recorded, not run.
-    Every launch gets the options ``launch_plans.LAUNCH_OPTIONS``."""
+    Every launch gets the options ``launch_plans.launch_options`` of its warps."""
     recorder = launch_hooks.recording_kernel(kernel)
     if recorder is not None:
         return _WithLaunchOptions(recorder)
@@ -117,14 +122,16 @@ def kernel_for(kernel, device):
 
 
 class _WithLaunchOptions:
-    """``runner[grid](*args, **kwargs)`` with ``LAUNCH_OPTIONS`` set over the call's own."""
+    """``runner[grid](*args, **kwargs)`` with ``launch_options(num_warps)`` set over the call's
+    own (num_warps: the call's, else Triton's default 4)."""
 
     def __init__(self, runner):
         self.runner = runner
 
     def __getitem__(self, grid):
         launch = self.runner[grid]
-        return lambda *args, **kwargs: launch(*args, **(kwargs | LAUNCH_OPTIONS))
+        return lambda *args, **kwargs: launch(
+            *args, **(kwargs | launch_options(kwargs.get("num_warps", 4))))
 
 
 def check_cluster_ptx(ptx, kernel_name, num_ctas):

@@ -182,17 +182,23 @@ def torch_backward(dy2d, x2d, weight, rstd, row_len, offset):
 
 # ----------------------------------------------------------------------------- triton backend
 
-def launch_shape(kernel, n_tokens, nq, nk, slots, dtype, device):
+def launch_shape(kernel, n_tokens, nq, nk, hq, hk, dtype, device):
     """(launch plan, BLOCK_NQ, BLOCK_NK) of the q/k launch of ``kernel`` ("qk_norm_fwd" /
-    "qk_norm_bwd") over ``slots`` = Hq + Hk head slots, from the plan of the longer row."""
-    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device, slots)
+    "qk_norm_bwd") over q's rows, ``hq`` head slots of nq values per token (per_head: Hq of
+    head_dim; per_layer: one of Hq · head_dim), and k's, from the plan of the longer row. The
+    plan's ``shares`` give each tensor's programs and heads per program slot
+    (``launch_plans.share_programs`` with ``group_heads``): q and k get programs in proportion
+    to their work, and a program takes as many heads as keeps the SMs evenly busy."""
+    plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device,
+                    tensors=((hq, nq), (hk, nk)), group_heads=True)
     return (plan, min(triton.next_power_of_2(nq), plan.block_n),
             min(triton.next_power_of_2(nk), plan.block_n))
 
 
-def _head_stride(weight, row_len):
-    """Elements between the weight rows of consecutive head slots (0: one row shared by all)."""
-    return row_len if weight.dim() == 2 else 0
+def _partial_rows(share, heads, weight):
+    """Rows of one tensor's float32 dw partials (kernels/qk_norm.py): one per program when
+    the heads share the weight, one per token group and head when each has its own."""
+    return share.groups * heads if weight.dim() == 2 else share.programs
 
 
 def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
@@ -207,24 +213,27 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     k_rstd = torch.empty(hk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qy, ky, q_rstd, k_rstd
-    plan, block_nq, block_nk = launch_shape("qk_norm_fwd", n_tokens, nq, nk, hq + hk,
+    plan, block_nq, block_nk = launch_shape("qk_norm_fwd", n_tokens, nq, nk, hq, hk,
                                             q2d.dtype, device)
+    q_share, k_share = plan.shares
     kernel_for(_k.qk_norm_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), qy, ky, q_rstd, k_rstd,
-        n_tokens=n_tokens, tokens_per_program=plan.rows_per_program, q_heads=hq, k_heads=hk,
-        n_q_programs=plan.programs // (hq + hk) * hq,
+        n_tokens=n_tokens, q_tokens_per_program=q_share.rows_per_program,
+        k_tokens_per_program=k_share.rows_per_program, q_heads=hq, k_heads=hk,
+        q_heads_per_slot=q_share.heads_per_slot, k_heads_per_slot=k_share.heads_per_slot,
+        n_q_programs=q_share.programs,
         stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_qy=qy.stride(0),
-        stride_ky=ky.stride(0), qw_head_stride=_head_stride(q_weight, nq),
-        kw_head_stride=_head_stride(k_weight, nk), eps=eps, offset=offset,
+        stride_ky=ky.stride(0), eps=eps, offset=offset,
         NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+        QW_PER_HEAD=q_weight.dim() == 2, KW_PER_HEAD=k_weight.dim() == 2,
         ROUND_XHAT=casting == "llama", num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return qy, ky, q_rstd, k_rstd
 
 
 def weight_grad_from_partials(partial, heads, weight):
-    """Weight gradient from the per-program float32 partial rows (groups · heads, N),
-    program p = group · heads + head, in one launch: summed over token blocks for one weight
-    row per head, over all programs when the heads share one weight row."""
+    """Weight gradient from the float32 partial rows, in one launch: (groups · heads, N), row
+    group · heads + head, summed over the token groups for one weight row per head; one row
+    per program, all summed, when the heads share one weight row."""
     n = partial.shape[1]
     per_head = weight.dim() == 2
     dw = sum_partials(partial.view(-1, heads, n) if per_head else partial.view(-1, 1, n),
@@ -239,22 +248,25 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
     dqy, dky = as_rows(dqy), as_rows(dky)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    # persistent grid: the token blocks of each head slot are shared by `groups` programs
-    plan, block_nq, block_nk = launch_shape("qk_norm_bwd", n_tokens, nq, nk, hq + hk,
+    plan, block_nq, block_nk = launch_shape("qk_norm_bwd", n_tokens, nq, nk, hq, hk,
                                             q2d.dtype, device)
-    groups = plan.programs // (hq + hk) if n_tokens > 0 else 0
-    dqw_partial = torch.empty(hq * groups, nq, device=device, dtype=torch.float32)
-    dkw_partial = torch.empty(hk * groups, nk, device=device, dtype=torch.float32)
+    q_share, k_share = plan.shares
+    dqw_partial = torch.empty(_partial_rows(q_share, hq, q_weight) if n_tokens > 0 else 0, nq,
+                              device=device, dtype=torch.float32)
+    dkw_partial = torch.empty(_partial_rows(k_share, hk, k_weight) if n_tokens > 0 else 0, nk,
+                              device=device, dtype=torch.float32)
     if n_tokens > 0:
         kernel_for(_k.qk_norm_bwd, device)[(plan.programs,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), dqy, dky, dq, dk,
             q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens=n_tokens, tokens_per_program=plan.rows_per_program, q_heads=hq,
-            k_heads=hk, n_q_programs=hq * groups,
+            n_tokens=n_tokens, q_tokens_per_program=q_share.rows_per_program,
+            k_tokens_per_program=k_share.rows_per_program, q_heads=hq, k_heads=hk,
+            q_heads_per_slot=q_share.heads_per_slot, k_heads_per_slot=k_share.heads_per_slot,
+            n_q_programs=q_share.programs,
             stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_dqy=dqy.stride(0),
             stride_dky=dky.stride(0), stride_dq=dq.stride(0), stride_dk=dk.stride(0),
-            qw_head_stride=_head_stride(q_weight, nq), kw_head_stride=_head_stride(k_weight, nk),
-            offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+            offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq,
+            BLOCK_NK=block_nk, QW_PER_HEAD=q_weight.dim() == 2, KW_PER_HEAD=k_weight.dim() == 2,
             num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
             weight_grad_from_partials(dkw_partial, hk, k_weight))

@@ -167,16 +167,20 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     """(plan, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, q_slots, k_slots) of a launch of ``kernel``
     ("qk_norm_rope_fwd" / "qk_norm_rope_bwd"): the launch plan for q's row of one token
     (Hq heads of 2 · BLOCK_HALF columns), its tile of BLOCK_N columns cut into whole heads;
-    per_head a slot is one tile of heads, per_layer the whole row."""
+    per_head a slot is one tile of heads, per_layer the whole row. q and k get programs in
+    proportion to the heads of a slot (``launch_plans.share_programs``: ``plan.shares``)."""
     block_half = triton.next_power_of_2(head_dim // 2)
     row = hq * 2 * block_half
     block_n = plan_for(kernel, dtype, n_tokens, row, device).block_n
     block_hq = max(1, min(block_n // (2 * block_half), triton.next_power_of_2(hq)))
     block_hk = min(block_hq, triton.next_power_of_2(hk))
-    q_slots, k_slots = ((1, 1) if per_layer else
-                        (triton.cdiv(hq, block_hq), triton.cdiv(hk, block_hk)))
-    plan = plan_for(kernel, dtype, n_tokens, row, device, slots=q_slots + k_slots)
-    return plan, block_hq, block_hk, block_half, q_slots, k_slots
+    if per_layer:
+        tensors = ((1, hq), (1, hk))
+    else:
+        tensors = ((triton.cdiv(hq, block_hq), min(block_hq, hq)),
+                   (triton.cdiv(hk, block_hk), min(block_hk, hk)))
+    plan = plan_for(kernel, dtype, n_tokens, row, device, tensors=tensors)
+    return plan, block_hq, block_hk, block_half, tensors[0][0], tensors[1][0]
 
 
 def _weight_head_stride(weight, head_dim, per_layer):
@@ -202,11 +206,12 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
         return qo, ko, q_rstd, k_rstd
     plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
         "qk_norm_rope_fwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
+    q_share, k_share = plan.shares
     kernel_for(_k.qk_norm_rope_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
-        q_rstd, k_rstd, n_tokens=n_tokens, tokens_per_program=plan.rows_per_program,
-        q_slots=q_slots, k_slots=k_slots,
-        n_q_programs=plan.programs // (q_slots + k_slots) * q_slots,
+        q_rstd, k_rstd, n_tokens=n_tokens, q_tokens_per_program=q_share.rows_per_program,
+        k_tokens_per_program=k_share.rows_per_program, q_slots=q_slots, k_slots=k_slots,
+        n_q_programs=q_share.programs,
         stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_qo=qo.stride(0),
         stride_ko=ko.stride(0), stride_cos=cos2d.stride(0), stride_sin=sin2d.stride(0),
         qw_head_stride=_weight_head_stride(q_weight, head_dim, per_layer),
@@ -244,17 +249,19 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
     plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
         "qk_norm_rope_bwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
-    groups = plan.programs // (q_slots + k_slots) if n_tokens > 0 else 0
-    dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_slots * groups, groups,
-                                  device)
-    dkw_partial = _partial_buffer(k_weight, hk, head_dim, per_layer, k_slots * groups, groups,
-                                  device)
+    q_share, k_share = plan.shares
+    q_groups, k_groups = (q_share.groups, k_share.groups) if n_tokens > 0 else (0, 0)
+    dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_slots * q_groups,
+                                  q_groups, device)
+    dkw_partial = _partial_buffer(k_weight, hk, head_dim, per_layer, k_slots * k_groups,
+                                  k_groups, device)
     if n_tokens > 0:
         kernel_for(_k.qk_norm_rope_bwd, device)[(plan.programs,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, dqo, dko,
             dq, dk, q_rstd, k_rstd, dqw_partial, dkw_partial,
-            n_tokens=n_tokens, tokens_per_program=plan.rows_per_program, q_slots=q_slots,
-            k_slots=k_slots, n_q_programs=q_slots * groups,
+            n_tokens=n_tokens, q_tokens_per_program=q_share.rows_per_program,
+            k_tokens_per_program=k_share.rows_per_program, q_slots=q_slots,
+            k_slots=k_slots, n_q_programs=q_share.programs,
             stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_dqo=dqo.stride(0),
             stride_dko=dko.stride(0), stride_dq=dq.stride(0), stride_dk=dk.stride(0),
             stride_cos=cos2d.stride(0), stride_sin=sin2d.stride(0),

@@ -17,15 +17,16 @@ touched against the minimum of ``normtools.measure.bench.minimum_bytes.bytes_mov
     ratio   = touched / minimum
 
 Scaling. Traffic per row is what matters, and the interpreter costs about 1 ms per program,
-so a case does not run its real M (4096 rows by default) but the rows of ``_SIMULATED_PROGRAMS``
-programs of its real plan: M_sim = _SIMULATED_PROGRAMS × rows_per_program, with a grid of that
-many programs (a GPU of _SIMULATED_PROGRAMS × num_ctas / PROGRAMS_PER_SM SMs; on sm_90 a long
-row's program is a cluster of num_ctas CTAs, which the interpreter runs as one program: the
-row is still loaded once, whichever CTA holds which part). Every program then does
-exactly what it does in the real launch, and the bytes are scaled by M / M_sim; the minimum is
-counted at the real M. The L2 model gives the simulated SMs their share of the L2 (capacity ×
-simulated SMs / SMs of the GPU). What this leaves out: the real grid's idle programs
-(rows_per_program does not always divide M); in ``touched`` the caches (a re-read that hits L2
+so a case does not run its real M (4096 rows by default) but a few programs of its real plan:
+each kernel keeps the real plan's rows per program (and heads per slot) of each tensor
+(``launch_hooks.replaying_rows``: q's and k's differ), and M_sim = _SIMULATED_PROGRAMS × the
+largest of them, with as many programs as M_sim needs on a GPU of that many SMs (× num_ctas /
+PROGRAMS_PER_SM; on sm_90 a long row's program is a cluster of num_ctas CTAs, which the
+interpreter runs as one program: the row is still loaded once, whichever CTA holds which
+part). Every program then does exactly what it does in the real launch, and the bytes are
+scaled by M / M_sim; the minimum is counted at the real M. The L2 model gives the simulated SMs their share of the L2 (capacity ×
+simulated SMs / SMs of the GPU). What this leaves out: the real grid's last program of
+a slot, which gets fewer rows when rows_per_program does not divide M; in ``touched`` the caches (a re-read that hits L2
 is counted like one that goes to DRAM; ``unique`` is the other bound, and ``dram`` a model in
 between). ``python -m
 normtools.measure.bytes_counter`` prints the full table.
@@ -42,6 +43,7 @@ import torch
 import triton.runtime.interpreter as triton_interpreter
 
 from normtools.core import launch_hooks, launch_plans
+from normtools.core.qk import launch_shape as qk_launch_shape
 from normtools.core.rope import launch_shape as rope_launch_shape
 from normtools.measure.bench.shapes import rows_and_length
 from normtools.measure.bench.minimum_bytes import bytes_moved
@@ -181,30 +183,45 @@ def _distinct_bytes(runs):
     return int((ends[closes] - starts[opens]).sum())
 
 
+def _real_plans(op, shape, dtype, sm_count, capability):
+    """{kernel name: its launch plan at the real shape} of the row-wise kernels ``op``
+    launches (the forward, and the backward for *_fwd_bwd) on the GPU's plan."""
+    directions = ("_fwd", "_bwd") if op.endswith("_fwd_bwd") else ("_fwd",)
+    plans = {}
+    with launch_hooks.planning_for_cuda(sm_count, capability):
+        for direction in directions:
+            if op.startswith("qk_norm_rope"):
+                kernel = "qk_norm_rope" + direction
+                plans[kernel] = rope_launch_shape(kernel, shape["T"], shape["Hq"], shape["Hk"],
+                                                  shape["D"], "per_layer" in op, dtype, "cpu")[0]
+            elif op.startswith("qk_norm"):
+                kernel, d, heads = "qk_norm" + direction, shape["D"], (shape["Hq"], shape["Hk"])
+                rows = (d, d, *heads) if "per_head" in op else (heads[0] * d, heads[1] * d, 1, 1)
+                plans[kernel] = qk_launch_shape(kernel, shape["T"], *rows, dtype, "cpu")[0]
+            else:
+                kernel = ("layer_norm" if op.startswith("layer_norm") else "rms_norm") + direction
+                plans[kernel] = launch_plans.launch_plan(kernel, dtype, shape["M"], shape["N"],
+                                                         "cuda", sm_count, capability=capability)
+    return plans
+
+
 def _simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,
                      capability=launch_plans.DEFAULT_CAPABILITY):
-    """(shape, SMs) a case runs at: the rows of _SIMULATED_PROGRAMS programs of its real plan
-    (the plan of the backward for *_fwd_bwd, whose persistent programs hold the most rows;
-    QK-Norm: _SIMULATED_PROGRAMS programs per head slot), on a GPU of _SIMULATED_PROGRAMS x the
-    plan's CTAs per program SMs (a cluster plan's program spans num_ctas SMs)."""
-    direction = "_bwd" if op.endswith("_fwd_bwd") else "_fwd"
-    if op.startswith("qk_norm_rope"):
-        with launch_hooks.planning_for_cuda(sm_count, capability):
-            plan = rope_launch_shape("qk_norm_rope" + direction, shape["T"], shape["Hq"],
-                                     shape["Hk"], shape["D"], "per_layer" in op, dtype, "cpu")[0]
-        sim = dict(shape, T=min(shape["T"], _SIMULATED_PROGRAMS * plan.rows_per_program))
-    elif op.startswith("qk_norm"):
-        m, n = rows_and_length(op, shape)
-        slots = shape["Hq"] + shape["Hk"] if "per_head" in op else 2
-        plan = launch_plans.launch_plan("qk_norm" + direction, dtype, m, n, "cuda", sm_count, slots,
-                                   capability)
-        sim = dict(shape, T=min(m, _SIMULATED_PROGRAMS * plan.rows_per_program))
-    else:
-        kernel = "layer_norm" if op.startswith("layer_norm") else "rms_norm"
-        plan = launch_plans.launch_plan(kernel + direction, dtype, shape["M"], shape["N"], "cuda",
-                                   sm_count, capability=capability)
-        sim = dict(shape, M=min(shape["M"], _SIMULATED_PROGRAMS * plan.rows_per_program))
-    return sim, _SIMULATED_PROGRAMS * plan.num_ctas // launch_plans.PROGRAMS_PER_SM
+    """(shape, SMs, rows) a case runs at: rows = {kernel: (rows_per_program, heads_per_slot)
+    per tensor} of each kernel's real plan, which the simulation replays
+    (``launch_hooks.replaying_rows``) at the rows of _SIMULATED_PROGRAMS programs of the
+    tensor whose programs hold the most rows (q and k get different rows per program: each of
+    the real plan's programs then does exactly its work), on a GPU of as many SMs as the
+    simulated programs (x their CTAs: a cluster plan's program spans num_ctas SMs)."""
+    plans = _real_plans(op, shape, dtype, sm_count, capability)
+    rows = {kernel: tuple((share.rows_per_program, share.heads_per_slot) for share in plan.shares)
+            for kernel, plan in plans.items()}
+    key = "T" if "T" in shape else "M"
+    longest = max(share.rows_per_program for plan in plans.values() for share in plan.shares)
+    sim = dict(shape, **{key: min(shape[key], _SIMULATED_PROGRAMS * longest)})
+    programs = max(sum(share.slots * -(-sim[key] // share.rows_per_program)
+                       for share in plan.shares) * plan.num_ctas for plan in plans.values())
+    return sim, max(1, programs // launch_plans.PROGRAMS_PER_SM), rows
 
 
 def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=launch_plans.DEFAULT_SM_COUNT,
@@ -216,11 +233,12 @@ def case_traffic(op, shape, dtype=torch.bfloat16, sm_count=launch_plans.DEFAULT_
     (``dram_no_hints``). The simulated SMs get their share of the L2, l2_bytes × simulated
     SMs / ``sm_count``, and run one wave of PROGRAMS_PER_SM programs each. ``sm_count`` and
     ``capability`` are the GPU's whose launch plan is counted (default: an H200's)."""
-    sim, simulated_sms = _simulated_launch(op, shape, dtype, sm_count, capability)
+    sim, simulated_sms, rows = _simulated_launch(op, shape, dtype, sm_count, capability)
     inputs = op_inputs(op, sim, dtype)
     scale = (shape["T"] / sim["T"]) if "T" in shape else (shape["M"] / sim["M"])
     trace = [] if l2_bytes is not None else None
     with (launch_hooks.planning_for_cuda(simulated_sms, capability),
+          launch_hooks.replaying_rows(rows),
           counting_bytes(trace=trace, trace_line=LINE_BYTES) as counts):
         run_on_triton(op, inputs)
     modelled = {}

@@ -62,6 +62,7 @@ from normtools.core import launch_hooks, launch_plans, sysinfo
 from normtools.core.launcher import cuda_sm_count_and_capability, plan_for
 from normtools.core.occupancy import resident_clusters
 from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
+from normtools.core.qk import launch_shape as qk_launch_shape
 from normtools.core.qk import qk_norm
 from normtools.measure.bench.backends import on_chunked_plan
 from normtools.measure.bench.shapes import LAYER_EPS, RMS_EPS, make_inputs, shape_label
@@ -182,14 +183,18 @@ def _plans(op, dtype, n, m, target):
     family = "qk_norm" if op.startswith("qk_norm") else "layer_norm" if op == "layer_norm" \
         else "rms_norm"
     shape = case_shape(op, n, m)
-    rows, length = (shape["T"], shape["Hq"] * shape["D"]) if "T" in shape else (m, n)
-    slots = 2 if family == "qk_norm" else 1     # per-layer QK-Norm: one slot for q, one for k
+
+    def plan_of(kernel):
+        if family == "qk_norm":     # per-layer QK-Norm: the launcher's q and k rows
+            return qk_launch_shape(kernel, shape["T"], shape["Hq"] * shape["D"],
+                                   shape["Hk"] * shape["D"], 1, 1, dtype, "cpu")[0]
+        return plan_for(kernel, dtype, m, n, "cpu")
 
     def plans():
         return [{"kernel": kernel, "num_ctas": plan.num_ctas, "block_n": plan.block_n,
                  "programs": plan.programs}
                 for kernel in (family + "_fwd", family + "_bwd")
-                for plan in [plan_for(kernel, dtype, rows, length, "cpu", slots)]]
+                for plan in [plan_of(kernel)]]
     return {"cluster": _on_plan("cluster", plans, target), "chunked": _on_plan("chunked", plans,
                                                                               target)}
 

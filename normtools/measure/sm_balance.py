@@ -10,12 +10,18 @@ on the launch plan of a GPU (``GPUS``: an H200's, an A100's):
     ctas          CTAs per program (a thread-block cluster when > 1)
     work_p        useful work of program p, counted as the kernel does: rows × heads, i.e. the
                   rows of its token range that exist (rows_per_program, fewer in the last
-                  group, none past the end) times the heads of one row (1 for a row op and a
-                  per-head QK slot, Hq or Hk for a per-layer q or k row, the heads of its tile
-                  for a fused QK-Norm + RoPE slot)
+                  group, none past the end) times the heads of one row (1 for a row op, the
+                  heads of its slot for per-head QK-Norm, Hq or Hk for a per-layer q or k
+                  row, the heads of its tile for a fused QK-Norm + RoPE slot)
     resident      CTAs of the kernel one SM holds at once (``resident_ctas``)
     waves         ceil(programs / (cluster_slots × resident)), cluster_slots = SMs // ctas
     sm_efficiency Σ_p work_p / (SMs × T),  T = max over SMs of the SM's time
+    token_bound   the sm_efficiency of the best grid of whole tokens: programs each over a
+                  range of tokens with all the heads of q (or of k) of each, one per cluster
+                  slot, split between q and k by ``launch_plans.share_programs`` (a row op
+                  on one CTA per program: M / (SMs × ceil(M / SMs))). No grid that keeps a token's row in one
+                  program does better; a launch below it loses SM time to its layout (per-head
+                  QK-Norm's head slots), one at it only to whole rows.
 
 An SM's time is the work it is given divided by ctas (a cluster's CTAs each hold 1/ctas of
 every row): the programs go, in launch order, to the least-loaded of the SMs // ctas cluster
@@ -108,23 +114,35 @@ def program_work(kernel, op, shape, dtype, gpu):
         elif kernel.startswith("qk_norm"):
             t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
             if "per_layer" in op:
-                nq, nk, q_heads, k_heads = hq * d, hk * d, [hq], [hk]
+                plan = qk_launcher.launch_shape(kernel, t, hq * d, hk * d, 1, 1, dtype, "cpu")[0]
+                q_heads, k_heads = [hq], [hk]
             else:
-                nq, nk, q_heads, k_heads = d, d, [1] * hq, [1] * hk
-            plan = qk_launcher.launch_shape(kernel, t, nq, nk, len(q_heads) + len(k_heads),
-                                            dtype, "cpu")[0]
+                plan = qk_launcher.launch_shape(kernel, t, d, d, hq, hk, dtype, "cpu")[0]
+                q_heads, k_heads = ([min(share.heads_per_slot, h - s * share.heads_per_slot)
+                                     for s in range(share.slots)]
+                                    for share, h in zip(plan.shares, (hq, hk)))
         else:
             t, n = shape["M"], shape["N"]
             plan = launch_plans.launch_plan(kernel, dtype, t, n, "cuda", gpu.sm_count,
                                             capability=gpu.capability)
             q_heads, k_heads = [1], []
-    groups = plan.programs // (len(q_heads) + len(k_heads))
     work = []
-    for slot_heads in (q_heads, k_heads):
+    for share, slot_heads in zip(plan.shares, (q_heads, k_heads)):
         # the programs of one tensor: program p → slot p % slots, token group p // slots
-        work += [_token_rows(p // len(slot_heads), plan.rows_per_program, t)
-                 * slot_heads[p % len(slot_heads)] for p in range(groups * len(slot_heads))]
+        work += [_token_rows(p // share.slots, share.rows_per_program, t)
+                 * slot_heads[p % share.slots] for p in range(share.programs)]
     return plan, work
+
+
+def token_bound(kernel, op, shape, gpu, ctas):
+    """The sm_efficiency of the best grid of whole tokens (see the module docstring)."""
+    if kernel.startswith("qk_norm"):
+        m, tensors = shape["T"], ((1, shape["Hq"]), (1, shape["Hk"]))
+    else:
+        m, tensors = shape["M"], ((1, 1),)
+    shares = launch_plans.share_programs(max(1, gpu.sm_count // ctas), m, tensors)
+    longest = max(work * share.rows_per_program for (_, work), share in zip(tensors, shares))
+    return m * sum(work for _, work in tensors) / (gpu.sm_count * longest / ctas)
 
 
 def sm_time(work, ctas, sm_count):
@@ -205,7 +223,8 @@ def case_balance(op, shape, dtype, gpu, compile=False):
             "resident_from": "compile" if registers is not None else "warps",
             "waves": triton.cdiv(plan.programs, cluster_slots * max(resident, 1)),
             "sm_efficiency": sum(work) / (gpu.sm_count * sm_time(work, plan.num_ctas,
-                                                                 gpu.sm_count))})
+                                                                 gpu.sm_count)),
+            "token_bound": token_bound(kernel, op, shape, gpu, plan.num_ctas)})
     return rows
 
 
@@ -224,7 +243,7 @@ def balance_cases(dtype):
 def sm_balance(gpu="h200", dtypes=DTYPES, compile=False):
     """The SM-time table of every case of a GPU run in each of ``dtypes`` on ``gpu``'s plan
     (a name of GPUS): a DataFrame with gpu, op, kernel, dtype, shape, n, m, programs, ctas,
-    warps, registers, shared, resident, resident_from, waves, sm_efficiency."""
+    warps, registers, shared, resident, resident_from, waves, sm_efficiency, token_bound."""
     rows = []
     for dtype in dtypes:
         for op, shape in balance_cases(dtype):

@@ -3,13 +3,15 @@
 * Cluster plans (issue 31). Plans with ``num_ctas`` > 1 only on a Triton known to compile
   them correctly (launch_plans.CLUSTER_MIN_TRITON), the chunked row of the table otherwise; a
   chunked plan never spans a cluster (its barrier is CTA-scope); a compiled cluster kernel
-  must carry the cluster instructions in its PTX. Every launch pins ``enable_fp_fusion``.
+  must carry the cluster instructions in its PTX. Every launch pins ``enable_fp_fusion`` and
+  ``maxnreg``.
 * Casting in ulps for QK-Norm (both scopes) and the fused QK-Norm + RoPE (issue 34): the
   Triton output equals the reference of its own casting convention but on a tiny fraction of
   elements (one ulp away, two for "llama"'s double rounding), and on the elements where the two conventions' references differ it
   takes its own convention's value, so swapping "llama" and "gemma" in the launcher fails.
-* k programs of QK-Norm with Hq ≠ Hk and several programs per head slot: on the default CPU
-  plan every slot has one program, so a k program using q's head count goes unseen.
+* k programs of QK-Norm with Hq ≠ Hk, several programs per slot and several heads per slot:
+  on the default CPU plan every slot has one program, so a k program using q's head count,
+  or a head of a slot left out, goes unseen.
 * FlashAttention's rule for the norms' long and chunked rows, forward and backward: the
   kernel's error against float64 is at most FA_FACTOR times the error of PyTorch's own op in
   the same dtype, plus one ulp of the largest value. A mean over N − 1 values, or a chunked
@@ -30,6 +32,7 @@ from test_numerics import FA_FACTOR, MAX_ULP_MISMATCH_FRACTION, ulps
 
 import normtools
 from normtools.core import launch_hooks, launch_plans, launcher
+from normtools.core import qk as qk_module
 from normtools.core.reference import rms_norm_reference, rope_reference
 from normtools.measure.spills import OPS
 from normtools.measure.triton_runs import op_inputs, op_shape, run_on_triton
@@ -119,14 +122,18 @@ def test_cluster_kernel_compiles_with_cluster_instructions():
 
 
 @pytest.mark.parametrize("op", OPS)
-def test_every_launch_pins_fp_fusion(op):
-    """Every launch of every op, forward and backward, passes enable_fp_fusion=True (the CUDA
+def test_every_launch_pins_fp_fusion_and_registers(op):
+    """Every launch of every op, forward and backward, passes enable_fp_fusion=True and lets
+    a thread have the registers of one CTA per SM, 65536 / threads (at most 255; the CUDA
     plans recorded, not run)."""
     inputs = op_inputs(op, op_shape(op, 1024, 8), torch.bfloat16)
     with (launch_hooks.planning_for_cuda(), launch_hooks.recording_launches() as launches):
         run_on_triton(op, inputs)
     assert launches
-    assert all(launch.kwargs.get("enable_fp_fusion") is True for launch in launches), op
+    for launch in launches:
+        threads = 32 * launch.kwargs.get("num_warps", 4)
+        assert launch.kwargs.get("enable_fp_fusion") is True, op
+        assert launch.kwargs.get("maxnreg") == min(255, 65536 // threads), op
 
 
 # ----------------------------------------------------------------------------- casting in ulps
@@ -209,20 +216,33 @@ def test_qk_norm_rope_casting_in_ulps(scope, casting):
 
 # ----------------------------------------------------------------------------- k programs
 
-@pytest.mark.parametrize("scope", ["per_head", "per_layer"])
-def test_k_programs_with_several_programs_per_head_slot(scope, monkeypatch):
-    """Hq = 4, Hk = 2, one token per tile and 3 programs per head slot (12 tokens, 4 each):
-    q and k, outputs and all four gradients, against float64."""
+@pytest.mark.parametrize("scope, weights, tokens, expected", [
+    # many tokens: every head of q in one slot, 12 programs of one token; k's 2 heads, 6 of 2
+    ("per_head", "shared", 12, ((1, 12, 1, 4), (1, 6, 2, 4))),
+    ("per_head", "per_head", 12, ((1, 12, 1, 4), (1, 6, 2, 4))),
+    # 3 tokens: a slot per head, 3 programs of one token each
+    ("per_head", "shared", 3, ((4, 3, 1, 1), (2, 3, 1, 1))),
+    ("per_head", "per_head", 3, ((4, 3, 1, 1), (2, 3, 1, 1))),
+    # per layer, q's row twice k's
+    ("per_layer", "per_layer", 12, ((1, 12, 1, 1), (1, 6, 2, 1))),
+])
+def test_k_programs_and_head_slots(scope, weights, tokens, expected, monkeypatch):
+    """Hq = 4, Hk = 2, one token per tile, 18 programs allowed: the plan's programs of q and
+    k, (slots, programs per slot, tokens per program, heads per slot), and q and k, outputs
+    and all four gradients, against float64 (per-head weights: one partial row per token
+    group and head)."""
     monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
     monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 18)
-    slots = 6 if scope == "per_head" else 2
-    plan = launcher.plan_for("qk_norm_fwd", torch.float32, 12, 16, "cpu", slots=slots)
-    if scope == "per_head":
-        assert plan.programs == 3 * slots and plan.rows_per_program == 4
-    q, k, gen = _qk_inputs(12, 4, 2, 16, seed=3)
+    nq, nk, heads = (16, 16, (4, 2)) if scope == "per_head" else (64, 32, (1, 1))
+    plan = qk_module.launch_shape("qk_norm_fwd", tokens, nq, nk, *heads, torch.float32, "cpu")[0]
+    assert [(s.slots, s.groups, s.rows_per_program, s.heads_per_slot)
+            for s in plan.shares] == list(expected)
+    q, k, gen = _qk_inputs(tokens, 4, 2, 16, seed=3)
     q, k = q.float(), k.float()
-    qw = 0.5 + torch.rand(16 if scope == "per_head" else 64, generator=gen)
-    kw = 0.5 + torch.rand(16 if scope == "per_head" else 32, generator=gen)
+    q_shape, k_shape = {"shared": ((16,), (16,)), "per_head": ((4, 16), (2, 16)),
+                        "per_layer": ((64,), (32,))}[weights]
+    qw = 0.5 + torch.rand(q_shape, generator=gen)
+    kw = 0.5 + torch.rand(k_shape, generator=gen)
     dq, dk = torch.randn(q.shape, generator=gen), torch.randn(k.shape, generator=gen)
 
     def triton_qk(q, k, qw, kw):

@@ -14,6 +14,7 @@
   False)``), and the addresses it computes must be the exact 64-bit ones.
 """
 
+import itertools
 import numpy as np
 import pytest
 import torch
@@ -72,11 +73,11 @@ def _grads(op, m, n, seed=0, dtype=torch.float32):
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm"])
 def test_chunked_backward_over_several_programs(op, small_cpu_tiles, nan_filled_float32):
-    """M = 7 rows of N = 40 (three 16-wide chunks) over 6 programs of 2 rows: programs 4 and
-    5 get no rows. dx, dw (and db) against float64."""
+    """M = 7 rows of N = 40 (three 16-wide chunks) with 6 programs allowed: 4 programs of 2
+    rows (the last gets 1; 6 programs of 2 would leave two without rows). dx, dw (and db)
+    against float64."""
     plan = launcher.plan_for(f"{op}_bwd", torch.float32, 7, 40, "cpu")
-    assert not plan.single_pass and plan.programs == 6
-    assert (plan.programs - 1) * plan.rows_per_program >= 7          # idle programs exist
+    assert not plan.single_pass and (plan.programs, plan.rows_per_program) == (4, 2)
     got = _grads(op, 7, 40)
     for a, ref in zip(got["triton"], got["float64"]):
         assert torch.isfinite(a).all()
@@ -186,9 +187,10 @@ def test_qk_norm_offsets_are_64_bit():
     with kt.counting_bytes(touch_memory=False, trace=trace):
         launcher.kernel_for(_qk.qk_norm_fwd, "cpu")[(heads,)](
             q, k, w, w, q, k, rstd, rstd,
-            n_tokens, 2, heads, 1, heads,
-            q.stride(0), k.stride(0), q.stride(0), k.stride(0), 0, 0, 1e-6, 0.0,
-            NQ=d, NK=d, BLOCK_M=2, BLOCK_NQ=d, BLOCK_NK=d, ROUND_XHAT=True)
+            n_tokens, 2, 2, heads, 1, 1, 1, heads,
+            q.stride(0), k.stride(0), q.stride(0), k.stride(0), 1e-6, 0.0,
+            NQ=d, NK=d, BLOCK_M=2, BLOCK_NQ=d, BLOCK_NK=d, QW_PER_HEAD=False, KW_PER_HEAD=False,
+            ROUND_XHAT=True)
     rstd_stores = [a.addresses for a in trace if a.kind == "store" and a.itemsize == 4
                    and a.addresses.size == 2]
     offsets = sorted(int(o) for a in rstd_stores for o in (a - rstd.data_ptr()) // 4)
@@ -201,23 +203,87 @@ def test_qk_norm_offsets_are_64_bit():
 @pytest.mark.parametrize("kernel", launch_plans.KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_cuda_plans_cover_every_row_once(kernel, dtype):
-    """For row lengths across the table and a few M: the persistent programs of each slot
-    cover rows [0, M) with whole BLOCK_M blocks (the last programs may get none: their
-    partial rows are zeros, see above), a chunk never exceeds the table's width, and the grid
-    stays within PROGRAMS_PER_SM programs per SM, rounded up to whole slots."""
+    """For row lengths across the table, a few M, and the tensors of a row op, per-head
+    QK-Norm (32 + 8 head slots) and per-layer QK-Norm (q rows 4x k's): the programs of each
+    slot cover rows [0, M) with none left without rows, a chunk never exceeds the table's
+    width, and the grid holds at most one program per SM (per cluster), unless there are
+    more slots than that."""
+    limit = launch_plans.PROGRAMS_PER_SM * 132
     for n in (1, 100, 1024, 5000, 8192, 16384, 16385, 131072):
         for m in (1, 7, 4096, 100003):
-            for slots in (1, 40):
-                plan = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", 132, slots)
+            for tensors in (((1, 1),), ((32, 1), (8, 1)), ((1, 4), (1, 1))):
+                plan = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", 132, tensors)
                 config = launch_plans.cuda_row_config(kernel, dtype.itemsize, n)
-                assert plan.rows_per_program % plan.block_m == 0 and config.reason
-                groups = plan.programs // slots
-                assert plan.programs == groups * slots
-                assert groups * plan.rows_per_program >= m
-                assert plan.rows_per_program < m + plan.block_m      # no program beyond M
+                assert config.reason and len(plan.shares) == len(tensors)
+                for share, (slots, _) in zip(plan.shares, tensors):
+                    assert share.slots == slots
+                    assert share.groups * share.rows_per_program >= m
+                    assert (share.groups - 1) * share.rows_per_program < m   # none without rows
+                assert plan.programs == sum(share.programs for share in plan.shares)
+                assert plan.rows_per_program == plan.shares[0].rows_per_program
                 assert plan.single_pass == (n <= plan.block_n)
                 if config.block_n is not None:
                     assert plan.block_n <= config.block_n
                 assert plan.num_ctas == config.num_ctas
-                assert groups <= max(1, -(-(launch_plans.PROGRAMS_PER_SM * 132 // plan.num_ctas)
-                                          // slots))
+                assert plan.programs <= max(limit // plan.num_ctas,
+                                            sum(slots for slots, _ in tensors))
+
+
+def _best_split(limit, m, tensors):
+    """(longest program, programs) of the best split, every split of at most ``limit``
+    programs enumerated (one program per slot when the slots alone exceed it)."""
+    best = None
+    for groups in itertools.product(*[range(1, max(1, min(m, limit)) + 1) for _ in tensors]):
+        programs = sum(slots * g for (slots, _), g in zip(tensors, groups))
+        if programs > limit and any(g > 1 for g in groups):
+            continue
+        time = max(work * -(-m // g) for (_, work), g in zip(tensors, groups))
+        best = min(best or (time, programs), (time, programs))
+    return best
+
+
+def _longest(tensors, shares):
+    return max(work * share.rows_per_program for (_, work), share in zip(tensors, shares))
+
+
+@pytest.mark.parametrize("limit", [4, 18, 132])
+def test_share_programs_is_the_shortest_split(limit):
+    """Against every split of at most ``limit`` programs, enumerated: the longest program
+    (work of a row x rows per program) is the shortest possible, with the fewest programs
+    that reach it; q and k with equal or unequal work per row, a row op, more slots than
+    programs."""
+    cases = [((1, 1),), ((1, 32), (1, 8)), ((1, 48), (1, 8)), ((32, 1), (8, 1)),
+             ((4, 1), (2, 1)), ((1, 3), (1, 2)), ((2, 16), (1, 16)), ((64, 1), (8, 1)),
+             ((200, 1), (8, 1))]
+    for tensors in cases:
+        for m in (1, 5, 12, 100, 531, 8192):
+            shares = launch_plans.share_programs(limit, m, tensors)
+            got = (_longest(tensors, shares), sum(s.programs for s in shares))
+            assert got == _best_split(limit, m, tensors), (tensors, m)
+
+
+@pytest.mark.parametrize("limit", [18, 132])
+def test_grouped_heads_take_the_best_slot_size(limit):
+    """With ``group_heads`` (per-head QK-Norm: Hq and Hk heads of equal work), the longest
+    program (times the waves, where a slot per head is more than ``limit`` programs) is the
+    shortest over every power of two of heads per slot, each split enumerated;
+    every tensor's slots cover its heads; few tokens get a slot per head, many tokens several
+    heads per slot."""
+    for hq, hk in ((32, 8), (64, 8), (40, 8), (4, 2), (128, 16)):
+        for m in (1, 3, 64, 1000, 8192):
+            shares = launch_plans.share_programs(limit, m, ((hq, 1), (hk, 1)), True)
+            heads = shares[0].heads_per_slot
+            assert shares[1].heads_per_slot == heads
+            grouped = tuple((-(-h // heads), min(heads, h)) for h in (hq, hk))
+            assert [s.slots for s in shares] == [slots for slots, _ in grouped]
+            options = []
+            size = 1
+            while size < 2 * max(hq, hk):
+                time, programs = _best_split(limit, m, tuple((-(-h // size), min(size, h))
+                                                             for h in (hq, hk)))
+                options.append(time * -(-programs // limit))      # a second wave doubles it
+                size *= 2
+            programs = sum(share.programs for share in shares)
+            assert _longest(grouped, shares) * -(-programs // limit) == min(options), (hq, hk, m)
+    assert launch_plans.share_programs(132, 1, ((64, 1), (8, 1)), True)[0].heads_per_slot == 1
+    assert launch_plans.share_programs(132, 8192, ((64, 1), (8, 1)), True)[0].heads_per_slot > 1

@@ -68,45 +68,46 @@ int main(void) {
         occupancy.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED]
 
 
-def _rows_of_programs(plan, m, slots):
-    """Walk the persistent grid as the kernels do: program p of slot s = p // groups takes rows
-    [g · rows_per_program, (g + 1) · rows_per_program) ∩ [0, m), g = p mod groups. Returns, per
-    slot, how many programs took each row."""
-    groups = plan.programs // slots
-    taken = [[0] * m for _ in range(slots)]
-    for p in range(plan.programs):
-        slot, group = divmod(p, groups)
-        for row in range(group * plan.rows_per_program,
-                         min((group + 1) * plan.rows_per_program, m)):
-            taken[slot][row] += 1
+def _rows_of_programs(plan, m):
+    """Walk the persistent grid as the kernels do: program p of a tensor's share takes slot
+    p mod slots and rows [g · rows_per_program, (g + 1) · rows_per_program) ∩ [0, m), g =
+    p // slots. Returns, per tensor and slot, how many programs took each row."""
+    taken = []
+    for share in plan.shares:
+        per_slot = [[0] * m for _ in range(share.slots)]
+        for p in range(share.programs):
+            slot, group = p % share.slots, p // share.slots
+            for row in range(group * share.rows_per_program,
+                             min((group + 1) * share.rows_per_program, m)):
+                per_slot[slot][row] += 1
+        taken += per_slot
     return taken
 
 
 @needs_cluster_triton
-@pytest.mark.parametrize("kernel,dtype,n,slots,num_ctas", [
-    ("rms_norm_fwd", torch.bfloat16, 65536, 1, 4),
-    ("layer_norm_bwd", torch.float32, 65536, 1, 8),
-    ("qk_norm_fwd", torch.bfloat16, 32768, 2, 2)])
+@pytest.mark.parametrize("kernel,dtype,n,tensors,num_ctas", [
+    ("rms_norm_fwd", torch.bfloat16, 65536, ((1, 1),), 4),
+    ("layer_norm_bwd", torch.float32, 65536, ((1, 1),), 8),
+    ("qk_norm_fwd", torch.bfloat16, 32768, ((1, 1), (1, 1)), 2)])
 @pytest.mark.parametrize("resident", [1, 5, 16, 32])
 @pytest.mark.parametrize("m", [1, 7, 133, 4096])
-def test_resident_limit_gives_one_wave_over_every_row(kernel, dtype, n, slots, num_ctas,
+def test_resident_limit_gives_one_wave_over_every_row(kernel, dtype, n, tensors, num_ctas,
                                                       resident, m):
     """With the GPU holding ``resident`` clusters: the grid has at most that many programs (or
-    one per slot when there are more slots), it leaves at most one slot's programs of the
-    wave unused when there are rows enough, and every row of every slot is taken by exactly
-    one program."""
-    table = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", H200_SMS, slots)
-    plan = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", H200_SMS, slots,
+    one per slot when there are more slots), its longest program is as short as that many
+    programs allow (ceil(m / (resident / tensors)) rows), and every row of every slot is
+    taken by exactly one program."""
+    table = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", H200_SMS, tensors)
+    plan = launch_plans.launch_plan(kernel, dtype, m, n, "cuda", H200_SMS, tensors,
                                     resident_limit=resident)
     assert table.num_ctas == plan.num_ctas == num_ctas
     assert table.programs <= H200_SMS // num_ctas     # the table's own one wave
     assert (plan.block_m, plan.block_n, plan.num_warps) == (table.block_m, table.block_n,
                                                             table.num_warps)
-    assert plan.programs <= max(resident, slots) and plan.programs % slots == 0
-    if m >= resident:
-        assert plan.programs > resident - slots
-    assert all(count == 1 for per_slot in _rows_of_programs(plan, m, slots)
-               for count in per_slot)
+    assert plan.programs <= max(resident, len(tensors))
+    per_tensor = max(1, resident // len(tensors))
+    assert {share.rows_per_program for share in plan.shares} == {-(-m // min(m, per_tensor))}
+    assert all(count == 1 for per_slot in _rows_of_programs(plan, m) for count in per_slot)
 
 
 def test_the_table_kernel_names_are_the_kernels_function_names():

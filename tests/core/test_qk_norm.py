@@ -198,10 +198,11 @@ def compile_kernels_for_sm90():
                                 (9216, 1024, "fp32", 4)):
         with launch_hooks.planning_for_cuda():
             plan, block_nq, block_nk = qk_module.launch_shape(
-                "qk_norm_bwd", 4096, nq, nk, 2, torch.bfloat16 if size == 2 else torch.float32,
+                "qk_norm_bwd", 4096, nq, nk, 1, 1, torch.bfloat16 if size == 2 else torch.float32,
                 "cpu")
         rows, num_warps = plan.block_m, plan.num_warps
-        sizes = dict(NQ=nq, NK=nk, BLOCK_M=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk)
+        sizes = dict(NQ=nq, NK=nk, BLOCK_M=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
+                     QW_PER_HEAD=False, KW_PER_HEAD=False)
         pointers = {name: f"*{dtype}" for name in ("Q", "K", "QW", "KW", "QY", "KY", "DQY", "DKY",
                                                   "DQ", "DK")}
         pointers |= {name: "*fp32" for name in ("Q_RSTD", "K_RSTD", "DQW_PARTIAL", "DKW_PARTIAL")}

@@ -281,20 +281,24 @@ def test_bad_rope_tables_raise_before_launch():
                                             ("per_layer", "per_layer")])
 @pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
                                                     (torch.bfloat16, "gemma", 1.0)], ids=str)
-def test_split_rows_and_idle_programs(scope, weights, dtype, casting, offset, monkeypatch):
+def test_split_rows_and_unequal_q_k_programs(scope, weights, dtype, casting, offset,
+                                            monkeypatch):
     """The kernel paths the default CPU tiles never reach: tiles of 16 values (one head of
     D = 16 per tile, so per_head has a slot per head and a per_layer row is 4 or 2 tiles,
-    read twice), 5 programs per slot for 12 tokens (3 tokens each: the last is idle), and
-    float32 buffers full of NaN, so a partial that no program writes cannot pass. Outputs and
-    gradients against float64."""
-    from normtools.core import launch_plans, launcher
-    slots = 2 if scope == "per_layer" else 4 + 2
+    read twice), 12 tokens with 5 programs allowed per slot (per head: 4 programs of 3
+    tokens per head slot; per layer, q's row twice k's: 6 q programs of 2 tokens and 3 k
+    programs of 4), and float32 buffers full of NaN, so a partial that no program writes
+    cannot pass. Outputs and gradients against float64."""
+    from normtools.core import launch_plans
+    from normtools.core.rope import launch_shape
+    n_slots = 2 if scope == "per_layer" else 4 + 2
     monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64 if dtype == torch.float32 else 32)
     monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
-    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 5 * slots)
-    plan = launcher.plan_for("qk_norm_rope_bwd", dtype, 12, 4 * 16, "cpu", slots=slots)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 5 * n_slots)
+    plan = launch_shape("qk_norm_rope_bwd", 12, 4, 2, 16, scope == "per_layer", dtype, "cpu")[0]
     assert plan.block_n == 16 and plan.block_m == 1
-    assert plan.programs == 5 * slots and plan.rows_per_program == 3      # one idle per slot
+    expected = ((1, 6, 2), (1, 3, 4)) if scope == "per_layer" else ((4, 4, 3), (2, 4, 3))
+    assert [(s.slots, s.groups, s.rows_per_program) for s in plan.shares] == list(expected)
     empty = torch.empty
 
     def poisoned(*size, **kwargs):

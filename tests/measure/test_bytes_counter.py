@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 import normtools
-from normtools.core import launch_hooks, launcher
+from normtools.core import launch_hooks, launch_plans, launcher
 from normtools.measure import bytes_counter as kt
 
 
@@ -156,12 +156,15 @@ def test_single_pass_ratios_at_the_cuda_plan(op):
                                 "layer_norm_fwd_bwd"])
 def test_one_more_row_costs_its_minimum(op):
     """What a row op touches beyond the minimum is paid per program (the weights read once
-    per program, the backward's partial rows), not per row: from M = 4096 to 8192 rows (N =
-    1024, bf16, an H200's plan) the bytes touched grow by at most 0.25 % more than the
-    minimum does. The float32 statistics a forward saves for its backward (4-8 bytes a row,
-    against 4-10 bytes a column) are that much; a row read twice would add 20 % or more. So
-    the ratio falls to 1 as M grows: the cases over 1.05x at M = 4096 are per-program costs."""
-    small, large = (kt.case_traffic(op, {"M": m, "N": 1024}, l2_bytes=None) for m in (4096, 8192))
+    per program, the backward's partial rows), not per row: from M = 32 to 64 rows per SM
+    (N = 1024, bf16, an H200's plan: one program per SM either way) the bytes touched grow by
+    at most 0.25 % more than the minimum does. The float32 statistics a forward saves for its
+    backward (4-8 bytes a row, against 4-10 bytes a column) are that much; a row read twice
+    would add 20 % or more. So the ratio falls to 1 as M grows: the cases over 1.05x at
+    M = 4096 are per-program costs."""
+    sms = launch_plans.DEFAULT_SM_COUNT
+    small, large = (kt.case_traffic(op, {"M": rows * sms, "N": 1024}, l2_bytes=None)
+                    for rows in (32, 64))
     marginal = (large["touched"] - small["touched"]) / (large["minimum"] - small["minimum"])
     assert 1.0 <= marginal <= 1.0025, marginal
     assert large["ratio"] < small["ratio"]

@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from normtools.core import launch_hooks
+from normtools.core import rope as rope_launcher
 from normtools.measure import sm_balance as sb
 from normtools.measure.triton_runs import op_inputs, run_on_triton
 
@@ -45,9 +46,10 @@ def _recorded_work(launch, head_dim):
     if name.startswith(("rms_norm", "layer_norm")):
         rows, per = kw["M"], kw["rows_per_program"]
         return [max(0, min(per, rows - p * per)) for p in range(programs)]
-    tokens, per, n_q = kw["n_tokens"], kw["tokens_per_program"], kw["n_q_programs"]
+    tokens, n_q = kw["n_tokens"], kw["n_q_programs"]
+    per_program = (kw["q_tokens_per_program"], kw["k_tokens_per_program"])
 
-    def token_rows(group):
+    def token_rows(group, per):
         return max(0, min(per, tokens - group * per))
 
     if name.startswith("qk_norm_rope"):
@@ -57,20 +59,26 @@ def _recorded_work(launch, head_dim):
         heads = [[h if kw["PER_LAYER"] else min(block, h - s * block) for s in range(slots)]
                  for slots, block, h in tensors]
     else:
-        # head slot p % heads; a per-layer row (one slot) holds N / head_dim heads
-        heads = [[n // head_dim] * slots for slots, n in ((kw["q_heads"], kw["NQ"]),
-                                                          (kw["k_heads"], kw["NK"]))]
+        # slot s of a tensor: heads [s · per_slot, (s + 1) · per_slot) of its H_rows; a
+        # per-layer row (H_rows = 1) holds N / head_dim heads
+        heads = [[min(per_slot, rows - s * per_slot) * (n // head_dim)
+                  for s in range(-(-rows // per_slot))]
+                 for rows, per_slot, n in ((kw["q_heads"], kw["q_heads_per_slot"], kw["NQ"]),
+                                           (kw["k_heads"], kw["k_heads_per_slot"], kw["NK"]))]
     work = []
     for p in range(programs):
-        slot_heads, index = (heads[0], p) if p < n_q else (heads[1], p - n_q)
-        work.append(token_rows(index // len(slot_heads)) * slot_heads[index % len(slot_heads)])
+        tensor, index = (0, p) if p < n_q else (1, p - n_q)
+        slot_heads = heads[tensor]
+        work.append(token_rows(index // len(slot_heads), per_program[tensor])
+                    * slot_heads[index % len(slot_heads)])
     return work
 
 
 @pytest.mark.parametrize("op, shape", [
     ("rms_norm", {"M": 8192, "N": 8192}),                            # a real prefill shape
     ("rms_norm", {"M": 1024, "N": 65536}),                           # clusters of 4
-    ("qk_norm_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),  # 40 head slots
+    ("qk_norm_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),  # every head in a slot
+    ("qk_norm_per_head", {"T": 64, "Hq": 32, "Hk": 8, "D": 128}),    # few tokens: slots of heads
     ("qk_norm_per_layer", {"T": 8192, "Hq": 48, "Hk": 8, "D": 128}),  # q rows 6x k rows
     ("qk_norm_rope_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),
     ("qk_norm_rope_per_head_fwd_bwd", {"T": 1472, "Hq": 64, "Hk": 8, "D": 256}),  # 3 slots
@@ -105,7 +113,8 @@ def test_committed_tables_equal_a_regeneration_without_compiling():
             got = next(r for r in live if r["kernel"] == row.kernel)
             for key in ("programs", "ctas", "warps", "n", "m"):
                 assert got[key] == getattr(row, key), (gpu, row.op, row.shape, key)
-            assert got["sm_efficiency"] == pytest.approx(row.sm_efficiency, rel=1e-12)
+            for key in ("sm_efficiency", "token_bound"):
+                assert got[key] == pytest.approx(getattr(row, key), rel=1e-12), key
 
 
 REGENERATE = r"""
@@ -156,3 +165,30 @@ def test_resident_ctas_bounds():
     assert sb.resident_ctas(h200, 16, registers=128) == 1
     assert sb.resident_ctas(h200, 16, registers=129) == 0
     assert sb.resident_ctas(h200, 4, registers=32, shared=100 * 1024) == 2
+
+
+@pytest.mark.parametrize("gpu", ["h200", "a100"])
+def test_committed_launches_meet_the_target_or_their_whole_token_bound(gpu):
+    """Every committed launch of M >= 4 x SMs rows runs one wave, and reaches the target
+    efficiency or the best that a grid of whole tokens can (token_bound, recomputed here for
+    a row op as M / (SMs x ceil(M / SMs)) from the table's own columns); none of a row op
+    beats that bound (it is one)."""
+    table = pd.read_csv(COMMITTED[gpu])
+    sms = sb.GPUS[gpu].sm_count
+    large = table[table["m"] >= sb.TARGET_ROWS_PER_SM * sms]
+    assert (large["waves"] == 1).all()
+    rows = table[~table["op"].str.startswith("qk_norm") & (table["ctas"] == 1)]
+    bound = rows["m"] / (sms * -(-rows["m"] // sms))
+    assert (rows["token_bound"] - bound).abs().max() < 1e-12
+    assert (rows["sm_efficiency"] <= rows["token_bound"] + 1e-12).all()
+    short = large[large["sm_efficiency"] < sb.TARGET_EFFICIENCY]
+    below = short[short["sm_efficiency"] < short["token_bound"] - 1e-12]
+    for row in below.itertuples():
+        # the one layout left below the bound: the fused QK-Norm + RoPE per head, whose q
+        # heads do not fit one tile (a program takes one tile of heads)
+        shape = dict((k, int(v)) for k, v in (part.split("=") for part in row.shape.split()))
+        with launch_hooks.planning_for_cuda(sms, sb.GPUS[gpu].capability):
+            q_slots = rope_launcher.launch_shape(row.kernel, shape["T"], shape["Hq"], shape["Hk"],
+                                                 shape["D"], False, getattr(torch, row.dtype),
+                                                 "cpu")[4]
+        assert row.op.startswith("qk_norm_rope_per_head") and q_slots > 1, row
