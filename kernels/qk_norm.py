@@ -43,11 +43,12 @@ programs after them: one launch covers both tensors, forward and backward.
 
 Addressing. Element (token t, head slot h, column j) is at  t * stride_t + h * N + j,  its
 weight at  j  when all heads share one weight row, at  h * N + j  with one weight row per head
-(W_PER_HEAD, a compile-time flag: the backward's partials differ); the inverse RMS of (h, t) at  h * T + t. Token and head offsets are
-64-bit: T * H * head_dim, and H_rows * T partial or statistics entries, may pass 2^31. Rows
-that fit in BLOCK_N stay in registers (on sm_90, per_layer rows of up to 131072 values too,
-a program then a cluster of CTAs: see rms_norm.py); longer rows are read in BLOCK_N chunks,
-twice, and the chunked backward adds each block's dw into its partial row.
+(W_PER_HEAD, a compile-time flag: the backward's partials differ); the inverse RMS of (h, t)
+at  h * T + t. Token and head offsets are 64-bit: T * H * head_dim, and H_rows * T partial
+or statistics entries, may pass 2^31. Rows that fit in BLOCK_N stay in registers (on sm_90,
+per_layer rows of up to 131072 values too, a program then a cluster of CTAs: see
+rms_norm.py); longer rows are read in BLOCK_N chunks, twice, and the chunked backward adds
+each block's dw into its partial row.
 
 Under the Triton interpreter there is no bf16 arithmetic: values are upcast to float32 right
 after tl.load and cast down only right before tl.store (or to emulate the "llama" rounding).

@@ -300,10 +300,10 @@ def share_programs(limit, m, tensors, group_heads=False):
     the tensor in one slot) is split as above, with ceil(slots_i / h) slots of
     min(h, slots_i) · work_i; the h whose longest program is shortest wins (times the waves,
     where one program per slot is already more than ``limit``), ties to the larger h (fewer
-    programs). Few rows: a slot per head, the heads are the parallelism; many
-    rows: several heads per slot (often every head), so that 72 head slots do not leave 60 of
-    132 SMs idle.
-    Returns a tuple of Share."""
+    programs). Few rows: a slot per head, the heads are the parallelism. Many rows: several
+    heads per slot (often every head), so that 72 head slots do not leave 60 of 132 SMs idle.
+
+    Returns a tuple of Share, one per tensor."""
     if group_heads:
         options, heads = [], 1
         while True:

@@ -24,11 +24,11 @@ largest of them, with as many programs as M_sim needs on a GPU of that many SMs 
 PROGRAMS_PER_SM; on sm_90 a long row's program is a cluster of num_ctas CTAs, which the
 interpreter runs as one program: the row is still loaded once, whichever CTA holds which
 part). Every program then does exactly what it does in the real launch, and the bytes are
-scaled by M / M_sim; the minimum is counted at the real M. The L2 model gives the simulated SMs their share of the L2 (capacity ×
-simulated SMs / SMs of the GPU). What this leaves out: the real grid's last program of
-a slot, which gets fewer rows when rows_per_program does not divide M; in ``touched`` the caches (a re-read that hits L2
-is counted like one that goes to DRAM; ``unique`` is the other bound, and ``dram`` a model in
-between). ``python -m
+scaled by M / M_sim; the minimum is counted at the real M. The L2 model gives the simulated
+SMs their share of the L2 (capacity × simulated SMs / SMs of the GPU). What this leaves out:
+the real grid's last program of a slot, which gets fewer rows when rows_per_program does not
+divide M; in ``touched`` the caches (a re-read that hits L2 is counted like one that goes to
+DRAM; ``unique`` is the other bound, and ``dram`` a model in between). ``python -m
 normtools.measure.bytes_counter`` prints the full table.
 """
 
