@@ -43,11 +43,10 @@ import torch
 import triton.runtime.interpreter as triton_interpreter
 
 from normtools.core import launch_hooks, launch_plans
-from normtools.core.qk import launch_shape as qk_launch_shape
-from normtools.core.rope import launch_shape as rope_launch_shape
 from normtools.measure.bench.shapes import rows_and_length
 from normtools.measure.bench.minimum_bytes import bytes_moved
-from normtools.measure.triton_runs import QK_HEADS, op_inputs, run_on_triton
+from normtools.measure.triton_runs import (QK_HEADS, kernels_of, launch_of, op_inputs,
+                                           run_on_triton)
 from normtools.measure.l2_model import H200_L2_BYTES, LINE_BYTES, Access, dram_bytes
 
 # The ops of the issue: forward, forward+backward of each row op, QK-Norm both scopes, and
@@ -186,23 +185,8 @@ def _distinct_bytes(runs):
 def _real_plans(op, shape, dtype, sm_count, capability):
     """{kernel name: its launch plan at the real shape} of the row-wise kernels ``op``
     launches (the forward, and the backward for *_fwd_bwd) on the GPU's plan."""
-    directions = ("_fwd", "_bwd") if op.endswith("_fwd_bwd") else ("_fwd",)
-    plans = {}
     with launch_hooks.planning_for_cuda(sm_count, capability):
-        for direction in directions:
-            if op.startswith("qk_norm_rope"):
-                kernel = "qk_norm_rope" + direction
-                plans[kernel] = rope_launch_shape(kernel, shape["T"], shape["Hq"], shape["Hk"],
-                                                  shape["D"], "per_layer" in op, dtype, "cpu")[0]
-            elif op.startswith("qk_norm"):
-                kernel, d, heads = "qk_norm" + direction, shape["D"], (shape["Hq"], shape["Hk"])
-                rows = (d, d, *heads) if "per_head" in op else (heads[0] * d, heads[1] * d, 1, 1)
-                plans[kernel] = qk_launch_shape(kernel, shape["T"], *rows, dtype, "cpu")[0]
-            else:
-                kernel = ("layer_norm" if op.startswith("layer_norm") else "rms_norm") + direction
-                plans[kernel] = launch_plans.launch_plan(kernel, dtype, shape["M"], shape["N"],
-                                                         "cuda", sm_count, capability=capability)
-    return plans
+        return {kernel: launch_of(kernel, op, shape, dtype)[0] for kernel in kernels_of(op)}
 
 
 def _simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,

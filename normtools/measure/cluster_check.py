@@ -59,16 +59,15 @@ from normtools._kernels import layer_norm as _layer_norm_kernels
 from normtools._kernels import qk_norm as _qk_norm_kernels
 from normtools._kernels import rms_norm as _rms_norm_kernels
 from normtools.core import launch_hooks, launch_plans, sysinfo
-from normtools.core.launcher import cuda_sm_count_and_capability, plan_for
+from normtools.core.launcher import cuda_sm_count_and_capability
 from normtools.core.occupancy import resident_clusters
 from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
-from normtools.core.qk import launch_shape as qk_launch_shape
 from normtools.core.qk import qk_norm
 from normtools.measure.bench.backends import on_chunked_plan
 from normtools.measure.bench.shapes import LAYER_EPS, RMS_EPS, make_inputs, shape_label
 from normtools.measure.oracle import oracle_excess, run_with_grads
 from normtools.measure.parity import ulp_distance
-from normtools.measure.triton_runs import QK_HEADS, op_shape
+from normtools.measure.triton_runs import QK_HEADS, kernels_of, launch_of, op_shape
 
 CLUSTER_OPS = ("rms_norm", "add_rms_norm", "layer_norm", "qk_norm_per_layer")
 # The kernels that a cluster plan can launch, by the name launch_plans gives them.
@@ -180,21 +179,13 @@ class _Target:
 def _plans(op, dtype, n, m, target):
     """{"cluster": [(kernel, num_ctas, block_n, programs)], "chunked": [...]}: the forward and
     backward plans of ``op``'s kernels on each plan."""
-    family = "qk_norm" if op.startswith("qk_norm") else "layer_norm" if op == "layer_norm" \
-        else "rms_norm"
     shape = case_shape(op, n, m)
-
-    def plan_of(kernel):
-        if family == "qk_norm":     # per-layer QK-Norm: the launcher's q and k rows
-            return qk_launch_shape(kernel, shape["T"], shape["Hq"] * shape["D"],
-                                   shape["Hk"] * shape["D"], 1, 1, dtype, "cpu")[0]
-        return plan_for(kernel, dtype, m, n, "cpu")
 
     def plans():
         return [{"kernel": kernel, "num_ctas": plan.num_ctas, "block_n": plan.block_n,
                  "programs": plan.programs}
-                for kernel in (family + "_fwd", family + "_bwd")
-                for plan in [plan_of(kernel)]]
+                for kernel in kernels_of(op + "_fwd_bwd")
+                for plan in [launch_of(kernel, op, shape, dtype)[0]]]
     return {"cluster": _on_plan("cluster", plans, target), "chunked": _on_plan("chunked", plans,
                                                                               target)}
 

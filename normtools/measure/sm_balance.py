@@ -57,10 +57,9 @@ import torch
 import triton
 
 from normtools.core import launch_hooks, launch_plans
-from normtools.core import qk as qk_launcher
-from normtools.core import rope as rope_launcher
 from normtools.measure.bench.cases import gpu_run_cases
 from normtools.measure.bench.shapes import rows_and_length, shape_label
+from normtools.measure.triton_runs import kernels_of, launch_of, op_inputs, run_on_triton
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _COMPILE_ROWS = 256     # rows of a compiled surrogate launch: ≥ every plan's BLOCK_M
@@ -85,15 +84,6 @@ GPUS = {"h200": Gpu(launch_plans.DEFAULT_SM_COUNT, launch_plans.DEFAULT_CAPABILI
         "a100": Gpu(108, 80, shared_bytes=164 * 1024)}
 
 
-def kernels_of(op):
-    """The main kernels ``op`` launches: (forward,) or (forward, backward) for *_fwd_bwd."""
-    base = op.removesuffix("_fwd_bwd")
-    family = ("qk_norm_rope" if base.startswith("qk_norm_rope") else
-              "qk_norm" if base.startswith("qk_norm") else
-              "layer_norm" if base == "layer_norm" else "rms_norm")
-    return (family + "_fwd",) + ((family + "_bwd",) if op.endswith("_fwd_bwd") else ())
-
-
 def _token_rows(group, tokens_per_program, n_tokens):
     """Rows of the token group ``group`` of ``tokens_per_program`` tokens out of n_tokens."""
     return max(0, min(tokens_per_program, n_tokens - group * tokens_per_program))
@@ -103,34 +93,12 @@ def program_work(kernel, op, shape, dtype, gpu):
     """(plan, [work_p]) of ``kernel``'s launch for ``op`` at ``shape`` on ``gpu``'s plan:
     work_p = rows × heads of program p in launch order (see the module docstring)."""
     with launch_hooks.planning_for_cuda(gpu.sm_count, gpu.capability):
-        if kernel.startswith("qk_norm_rope"):
-            t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
-            per_layer = "per_layer" in op
-            plan, block_hq, block_hk, _, q_slots, k_slots = rope_launcher.launch_shape(
-                kernel, t, hq, hk, d, per_layer, dtype, "cpu")
-            q_heads = [hq] if per_layer else [min(block_hq, hq - s * block_hq)
-                                               for s in range(q_slots)]
-            k_heads = [hk] if per_layer else [min(block_hk, hk - s * block_hk)
-                                               for s in range(k_slots)]
-        elif kernel.startswith("qk_norm"):
-            t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
-            if "per_layer" in op:
-                plan = qk_launcher.launch_shape(kernel, t, hq * d, hk * d, 1, 1, dtype, "cpu")[0]
-                q_heads, k_heads = [hq], [hk]
-            else:
-                plan = qk_launcher.launch_shape(kernel, t, d, d, hq, hk, dtype, "cpu")[0]
-                q_heads, k_heads = ([min(share.heads_per_slot, h - s * share.heads_per_slot)
-                                     for s in range(share.slots)]
-                                    for share, h in zip(plan.shares, (hq, hk)))
-        else:
-            t, n = shape["M"], shape["N"]
-            plan = launch_plans.launch_plan(kernel, dtype, t, n, "cuda", gpu.sm_count,
-                                            capability=gpu.capability)
-            q_heads, k_heads = [1], []
+        plan, heads = launch_of(kernel, op, shape, dtype)
+    rows = shape["T"] if "T" in shape else shape["M"]
     work = []
-    for share, slot_heads in zip(plan.shares, (q_heads, k_heads)):
+    for share, slot_heads in zip(plan.shares, heads):
         # the programs of one tensor: program p → slot p % slots, token group p // slots
-        work += [_token_rows(p // share.slots, share.rows_per_program, t)
+        work += [_token_rows(p // share.slots, share.rows_per_program, rows)
                  * slot_heads[p % share.slots] for p in range(share.programs)]
     return plan, work
 
@@ -174,7 +142,6 @@ def compiled_resources(op, shape, dtype, gpu):
     at M' = min(M, _COMPILE_ROWS) rows (``normtools.measure.spills``; needs TRITON_INTERPRET
     unset)."""
     from normtools.measure import spills
-    from normtools.measure.triton_runs import op_inputs, run_on_triton
 
     key = "T" if "T" in shape else "M"
     small = dict(shape, **{key: min(shape[key], _COMPILE_ROWS)})

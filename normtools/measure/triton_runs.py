@@ -3,7 +3,9 @@
 ``normtools.measure.bytes_counter`` (bytes touched, run under the interpreter) and
 ``normtools.measure.spills`` (registers and spills, launches recorded and compiled) both need
 "run this op on ``backend="triton"``, forward or forward+backward, so that its kernels are
-launched": that is ``run_on_triton``. An op is a base op of ``normtools.measure.bench`` —
+launched": that is ``run_on_triton``. The bytes counter, the SM-time model and the cluster
+pass also need the plan of each of those launches without running it: ``kernels_of`` and
+``launch_of``. An op is a base op of ``normtools.measure.bench`` —
 rms_norm, add_rms_norm, layer_norm, qk_norm_per_head / per_layer, qk_norm_rope_per_head /
 per_layer — optionally with ``_fwd_bwd`` (forward, then backward to every input that has a
 gradient). ``op_inputs`` makes its inputs with ``bench.make_inputs`` (the rotary tables of
@@ -12,8 +14,11 @@ qk_norm_rope included).
 
 import torch
 
+from normtools.core.launcher import plan_for
 from normtools.core.ops import add_rms_norm, layer_norm, rms_norm
+from normtools.core.qk import launch_shape as qk_launch_shape
 from normtools.core.qk import qk_norm
+from normtools.core.rope import launch_shape as rope_launch_shape
 from normtools.core.rope import qk_norm_rope
 from normtools.measure.bench.shapes import make_inputs
 
@@ -41,6 +46,39 @@ def op_shape(op, n, m):
         return {"M": m, "N": n}
     hq, hk = QK_HEADS
     return {"T": m, "Hq": hq, "Hk": hk, "D": n if "per_head" in op else n // hq}
+
+
+def kernels_of(op):
+    """The main kernels ``op`` launches: (forward,) or (forward, backward) for *_fwd_bwd."""
+    base = _base_op(op)
+    family = ("qk_norm_rope" if base.startswith("qk_norm_rope") else
+              "qk_norm" if base.startswith("qk_norm") else
+              "layer_norm" if base == "layer_norm" else "rms_norm")
+    return (family + "_fwd",) + ((family + "_bwd",) if op.endswith("_fwd_bwd") else ())
+
+
+def launch_of(kernel, op, shape, dtype):
+    """(plan, heads) of the launch of ``kernel`` (a name of ``kernels_of(op)``) for ``op`` at
+    ``shape``, planned as its launcher plans it (on the CUDA device of an enclosing
+    ``launch_hooks.planning_for_cuda``; nothing runs): the LaunchPlan, and per tensor the
+    heads of each of its slots (a row op: one slot of one row)."""
+    if not kernel.startswith("qk_norm"):
+        return plan_for(kernel, dtype, shape["M"], shape["N"], "cpu"), ([1],)
+    t, hq, hk, d = shape["T"], shape["Hq"], shape["Hk"], shape["D"]
+    if "per_layer" in op:
+        plan = (rope_launch_shape(kernel, t, hq, hk, d, True, dtype, "cpu")[0]
+                if kernel.startswith("qk_norm_rope") else
+                qk_launch_shape(kernel, t, hq * d, hk * d, 1, 1, dtype, "cpu")[0])
+        return plan, ([hq], [hk])
+    if kernel.startswith("qk_norm_rope"):
+        plan, block_hq, block_hk = rope_launch_shape(kernel, t, hq, hk, d, False, dtype,
+                                                     "cpu")[:3]
+        per_slot = (block_hq, block_hk)
+    else:
+        plan = qk_launch_shape(kernel, t, d, d, hq, hk, dtype, "cpu")[0]
+        per_slot = tuple(share.heads_per_slot for share in plan.shares)
+    return plan, tuple([min(block, h - s * block) for s in range(share.slots)]
+                       for share, h, block in zip(plan.shares, (hq, hk), per_slot))
 
 
 def op_inputs(op, shape, dtype, seed=0):
