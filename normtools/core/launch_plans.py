@@ -320,14 +320,22 @@ def share_programs(limit, m, tensors, group_heads=False):
         _, minus_heads, shares = min(options, key=lambda option: option[:2])
         return tuple(dataclasses.replace(share, heads_per_slot=-minus_heads) for share in shares)
     m = max(m, 1)
-    times = sorted({work * -(-m // groups) for _, work in tensors
-                    for groups in range(1, min(m, limit) + 1)})
-    for t in times:
-        if all(t >= work for _, work in tensors):
-            groups = [-(-m // (t // work)) for _, work in tensors]
-            if sum(slots * g for (slots, _), g in zip(tensors, groups)) <= limit:
-                return tuple(Share(slots, g, -(-m // g)) for (slots, _), g in zip(tensors, groups))
-    return tuple(Share(slots, 1, m) for slots, _ in tensors)
+
+    def groups_at(t):
+        return [-(-m // (t // work)) for _, work in tensors]
+
+    def fits(t):
+        return sum(slots * g for (slots, _), g in zip(tensors, groups_at(t))) <= limit
+
+    # fits(t) only grows with t, so t* is found by bisection (a launch plans this on the hot
+    # path); t = max work · m is one program per slot
+    low, high = max(work for _, work in tensors), max(work for _, work in tensors) * m
+    if not fits(high):
+        return tuple(Share(slots, 1, m) for slots, _ in tensors)
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle) else (middle + 1, high)
+    return tuple(Share(slots, g, -(-m // g)) for (slots, _), g in zip(tensors, groups_at(high)))
 
 
 def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT,
