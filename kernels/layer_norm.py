@@ -14,6 +14,14 @@ Backward. With g = w ⊙ dy, and differentiating through mean and rstd:
     dx = rstd · (g − c1 − x_hat · c2),   c1 = mean(g),  c2 = mean(x_hat ⊙ g)
     dw = Σ_rows dy ⊙ x_hat,    db = Σ_rows dy
 
+Reductions. Each reduction of a row is an exchange between its threads, warps and, on a
+cluster, CTAs, each exchange behind a barrier (a cluster barrier across SMs). The backward's
+two sums are independent: they are packed as two float32 halves of one uint64 (_pack) and
+reduced together, one exchange instead of two. The forward keeps two: Σ (x − mean)² needs the
+mean first. (Its single-reduction form, Welford's (mean, M2, count) merged pairwise, needs the
+count as a second value to exchange, and compiled for sm_90 at N = 65536 on a cluster of 4
+CTAs it spilled; two reductions do not.)
+
 Layout, chunking and determinism follow kernels/rms_norm.py: rows are addressed through their
 row stride; grids are persistent (a program loops over rows_per_program rows and reads w and b
 once, or once per chunk); a row that fits in BLOCK_N columns is read once (SINGLE_PASS), on
@@ -142,8 +150,9 @@ def layer_norm_bwd(
             x_hat, dy, rstd, mask = _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                   col_mask, stride_x, stride_dy, "evict_first")
             g = dy * w[None, :]
-            c1 = tl.sum(g, axis=1) / N                             # mean(g)
-            c2 = tl.sum(x_hat * g, axis=1) / N                     # mean(x_hat ⊙ g)
+            sum_g, sum_xhat_g = _unpack(tl.reduce(_pack(g, x_hat * g), 1, _add_packed))
+            c1 = sum_g / N                                         # mean(g)
+            c2 = sum_xhat_g / N                                    # mean(x_hat ⊙ g)
             dx = rstd[:, None] * (g - c1[:, None] - x_hat * c2[:, None])
             tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty),
                      mask=mask)
@@ -167,8 +176,9 @@ def layer_norm_bwd(
                 x_hat, dy, _, mask = _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                    col_mask, stride_x, stride_dy, "evict_last")
                 g = dy * w[None, :]
-                c1 = tl.sum(g, axis=1) / N
-                c2 = tl.sum(x_hat * g, axis=1) / N
+                sum_g, sum_xhat_g = _unpack(tl.reduce(_pack(g, x_hat * g), 1, _add_packed))
+                c1 = sum_g / N
+                c2 = sum_xhat_g / N
                 if start > 0:
                     c1 += tl.load(ROW_C1_C2 + rows, mask=row_mask, other=0.0)
                     c2 += tl.load(ROW_C1_C2 + M + rows, mask=row_mask, other=0.0)
@@ -200,6 +210,28 @@ def layer_norm_bwd(
 
 
 # ----------------------------------------------------------------------------- helpers
+
+@triton.jit
+def _pack(a, b):
+    """Two float32 tensors as one uint64 tensor (a in the low half): one value to exchange."""
+    return (a.to(tl.uint32, bitcast=True).to(tl.uint64)
+            | (b.to(tl.uint32, bitcast=True).to(tl.uint64) << 32))
+
+
+@triton.jit
+def _unpack(p):
+    """The two float32 tensors of _pack(a, b)."""
+    return ((p & 0xFFFFFFFF).to(tl.uint32).to(tl.float32, bitcast=True),
+            (p >> 32).to(tl.uint32).to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _add_packed(p, q):
+    """_pack(a1 + a2, b1 + b2) of p = _pack(a1, b1), q = _pack(a2, b2): two sums, one reduction."""
+    a1, b1 = _unpack(p)
+    a2, b2 = _unpack(q)
+    return _pack(a1 + a2, b1 + b2)
+
 
 @triton.jit
 def _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols, col_mask, stride_x, stride_dy,

@@ -1,12 +1,14 @@
 """Every use of Triton's private API in normtools: running a ``@triton.jit`` kernel on CPU
-tensors with Triton's interpreter, and the interpreter's bfloat16 conversion fixes.
+tensors with Triton's interpreter, its bfloat16 conversion fixes and its faster reductions.
 
 Written against Triton 3.9.0. It relies on internals that may change between releases:
 ``triton.runtime.interpreter.InterpretedFunction`` (an interpreted twin of a kernel),
 ``triton.runtime.interpreter._convert_float`` (the interpreter's float conversion, replaced
-for the duration of a launch), ``triton.runtime.jit.JITFunction`` (to find the compiled helpers
-to swap) and the knob ``triton.knobs.runtime.interpret``. Used by ``normtools.core.launcher``
-(``kernel_for``) only.
+for the duration of a launch), ``triton.runtime.interpreter.ReduceOps.generic_reduce`` (its
+reduction with a combine function of the kernel's, replaced likewise),
+``triton.runtime.jit.JITFunction`` (to find the compiled helpers to swap) and the knob
+``triton.knobs.runtime.interpret``. Used by ``normtools.core.launcher`` (``kernel_for``)
+only.
 """
 
 import contextlib
@@ -56,6 +58,38 @@ def _convert_float_exact(data, input_dtype, output_dtype, rounding_mode):
 _TRITON_CONVERT_FLOAT = triton_interpreter._convert_float
 
 
+def _pairwise_generic_reduce(self, input):
+    """``tl.reduce`` with a combine function of the kernel's (not tl.sum, min or max), applied
+    to whole arrays: neighbours are combined pairwise, (0, 1), (2, 3), ..., an odd last one
+    carried, until one is left along the axis; left operands always come first, so any
+    associative combine gives its reduction. Triton 3.9's interpreter calls the combine once
+    per element in a Python loop (seconds for one row of 131072 values); this does log2(n)
+    calls on arrays. Replaces ``ReduceOps.generic_reduce`` for the duration of a launch."""
+    input, axis = self.unravel(input, self.axis)
+    dtypes = [arg.dtype for arg in input]
+    data = [np.moveaxis(arg.handle.data, axis, 0) for arg in input]
+    while data[0].shape[0] > 1:
+        pairs = data[0].shape[0] // 2
+        left = [self.to_tensor(d[0:2 * pairs:2], t) for d, t in zip(data, dtypes)]
+        right = [self.to_tensor(d[1:2 * pairs:2], t) for d, t in zip(data, dtypes)]
+        combined = self.combine_fn.fn(*left, *right)
+        combined = combined if isinstance(combined, tuple) else (combined,)
+        combined = [np.broadcast_to(c.handle.data if isinstance(c, tl.core.tensor) else c,
+                                    d[0:2 * pairs:2].shape).astype(d.dtype)
+                    for c, d in zip(combined, data)]
+        data = [np.concatenate([c, d[2 * pairs:]]) for c, d in zip(combined, data)]
+    reduced = [d[0] for d in data]
+    if self.keep_dims:
+        reduced = [np.expand_dims(r, axis) if self.axis is not None
+                   else r.reshape((1,) * input[0].handle.data.ndim) for r in reduced]
+    elif self.axis is None:
+        reduced = [r.item() for r in reduced]
+    return [self.to_tensor(r, t) for r, t in zip(reduced, dtypes)]
+
+
+_TRITON_GENERIC_REDUCE = triton_interpreter.ReduceOps.generic_reduce
+
+
 class InterpretedKernel:
     """A ``@triton.jit`` kernel run by Triton's interpreter: ``kernel[grid](*args, **kwargs)``.
 
@@ -66,9 +100,11 @@ class InterpretedKernel:
     swaps each of them, in the namespaces of the kernel's module (helpers imported from
     kernels/tiles.py included, since they are bound there) and of triton.language, for an
     interpreted twin, switches the interpreter knob on, makes float32 → bfloat16 casts
-    round to nearest even and bfloat16 → float32 casts exact; everything is restored afterwards. Launches are serialized by a
-    lock. Before each launch the observer of ``launch_hooks.INTERPRETED_LAUNCH_OBSERVER``, if
-    any, is called with (kernel name, grid).
+    round to nearest even and bfloat16 → float32 casts exact, and reductions with a combine
+    function of the kernel's run on whole arrays (``_pairwise_generic_reduce``); everything is
+    restored afterwards. Launches are serialized by a lock. Before each launch the observer
+    of ``launch_hooks.INTERPRETED_LAUNCH_OBSERVER``, if any, is called with (kernel name,
+    grid).
     """
 
     _lock = threading.Lock()
@@ -97,6 +133,7 @@ class InterpretedKernel:
         try:
             triton.knobs.runtime.interpret = True
             triton_interpreter._convert_float = _convert_float_exact
+            triton_interpreter.ReduceOps.generic_reduce = _pairwise_generic_reduce
             for (ns, name, _), twin in zip(swapped, twins):
                 ns[name] = twin
             yield
@@ -104,6 +141,7 @@ class InterpretedKernel:
             for ns, name, value in swapped:
                 ns[name] = value
             triton_interpreter._convert_float = _TRITON_CONVERT_FLOAT
+            triton_interpreter.ReduceOps.generic_reduce = _TRITON_GENERIC_REDUCE
             triton.knobs.runtime.interpret = previous_knob
 
     def __getitem__(self, grid):

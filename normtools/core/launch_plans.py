@@ -265,6 +265,44 @@ class LaunchPlan:
     shares: tuple = ()
 
 
+@dataclasses.dataclass(frozen=True)
+class PartialsPlan:
+    """One launch of ``kernels/partials.py``: ``block_n`` output values per program,
+    ``block_p`` partial rows per step, ``programs`` per summed tensor (in launch order)."""
+
+    block_n: int
+    block_p: int
+    programs: tuple
+    num_warps: int = 4
+
+
+# kernels/partials.py on CUDA: column blocks of 32 float32 values (one 128-byte line per
+# partial row) to 128, and 32 partial rows per step (a (32, 128) tile: 32 values per thread
+# in 4 warps).
+PARTIALS_BLOCK_N = (32, 128)
+PARTIALS_BLOCK_P = 32
+
+
+def partials_plan(sizes, n_partials, device_type="cuda", sm_count=DEFAULT_SM_COUNT):
+    """The launch that sums the float32 partial rows of up to two weight gradients of
+    ``sizes`` values each (from at most ``n_partials`` partial rows).
+
+    On CUDA the column block is the widest power of two in PARTIALS_BLOCK_N whose grid still
+    has a program for every SM, else the narrowest: a weight gradient is small (N = 4096
+    values: 2 MB of partials from 132 programs), and 128-value blocks left it 32 programs on
+    132 SMs; 32-value blocks give it 128. On CPU one tile holds up to TILE_ELEMENTS values, so
+    that a gradient is a few programs of the interpreter."""
+    block_p = min(triton.next_power_of_2(max(n_partials, 1)), PARTIALS_BLOCK_P)
+    if device_type == "cuda":
+        narrow, block_n = PARTIALS_BLOCK_N
+        while block_n > narrow and sum(triton.cdiv(size, block_n) for size in sizes) < sm_count:
+            block_n //= 2
+    else:
+        block_n = min(triton.next_power_of_2(max(max(sizes), 1)),
+                      TILE_ELEMENTS["cpu"] // block_p)
+    return PartialsPlan(block_n, block_p, tuple(triton.cdiv(size, block_n) for size in sizes))
+
+
 def cuda_row_config(kernel, element_size, n, capability=DEFAULT_CAPABILITY):
     """The CUDA_ROW_CONFIGS row for ``kernel`` ("..._fwd" / "..._bwd"), a row of n elements
     and a GPU of compute capability ``capability`` (e.g. 90 for sm_90); cluster rows only

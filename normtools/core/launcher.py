@@ -20,8 +20,9 @@ A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it 
   cluster kernel (``num_ctas`` > 1) on CUDA is checked by ``check_cluster_ptx`` and measured
   by the occupancy query (``record_resident_clusters``).
 * ``as_rows``: a (M, N) view of a tensor with unit stride along N (a copy only if needed).
-* ``sum_partials``: the last launch of every backward, the weight gradient from the
-  per-program partial rows (``kernels/partials.py``).
+* ``sum_partials``: the last launch of every backward, the weight gradients (one or two:
+  q's and k's, w's and b's) from the per-program partial rows (``kernels/partials.py``), on
+  the grid of ``launch_plans.partials_plan``.
 """
 
 import functools
@@ -218,18 +219,35 @@ def as_rows(t):
     return t.reshape(-1, n)
 
 
-def sum_partials(partial, dtype):
-    """OUT[o] = Σ_i partial[i, o] in float32, written as ``dtype``: the weight gradient from
-    the backward's per-program partial rows ``partial`` (n_partials, n_out, N; the last two
-    dimensions contiguous), one launch of ``kernels/partials.py``. Returns (n_out, N)."""
-    n_partials, n_out, n = partial.shape
-    out = torch.empty((n_out, n), dtype=dtype, device=partial.device)
-    # (32, 128) tiles: 32 float32 values per thread in 4 warps, N / 128 programs per row
-    block_n = min(triton.next_power_of_2(max(n, 1)), 128)
-    block_p = min(triton.next_power_of_2(max(n_partials, 1)), 32)
-    if n_partials == 0:
-        return out.zero_()
-    kernel_for(_partials.sum_partials, partial.device)[(triton.cdiv(n, block_n), n_out)](
-        partial, out, n_partials=n_partials, n_out=n_out, N=n, stride_partial=partial.stride(0),
-        BLOCK_P=block_p, BLOCK_N=block_n, num_warps=4)
-    return out
+def sum_partials(*gradients):
+    """The weight gradients from the backward's per-program float32 partial rows, one launch
+    of ``kernels/partials.py`` for up to two: each of ``gradients`` is (partial, dtype),
+    ``partial`` of shape (n_partials, *shape) with each partial row partial[i] contiguous;
+    its gradient is Σ_i partial[i] in float32, written as ``dtype`` (shape ``shape``).
+    Returns the gradients, in order."""
+    if not 1 <= len(gradients) <= 2:
+        raise ValueError(f"sum_partials sums one or two gradients per launch, got {len(gradients)}")
+    outs = [torch.empty(partial.shape[1:], dtype=dtype, device=partial.device)
+            for partial, dtype in gradients]
+    summed = [(partial.reshape(partial.shape[0], -1), out.view(-1))
+              for (partial, _), out in zip(gradients, outs) if partial.shape[0] > 0]
+    for (partial, _), out in zip(gradients, outs):
+        if partial.shape[0] == 0:
+            out.zero_()
+    if not summed:
+        return outs
+    device = summed[0][0].device
+    target = launch_hooks.cuda_plan_target()
+    if target is None and device.type == "cuda":
+        target = cuda_sm_count_and_capability(device)
+    plan = launch_plans.partials_plan(
+        [out.numel() for _, out in summed], max(p.shape[0] for p, _ in summed),
+        "cpu" if target is None else "cuda", None if target is None else target[0])
+    (partial_a, out_a), (partial_b, out_b) = summed[0], summed[-1]
+    kernel_for(_partials.sum_partials, device)[(sum(plan.programs),)](
+        partial_a, out_a, n_partials_a=partial_a.shape[0], size_a=out_a.numel(),
+        stride_a=partial_a.stride(0), programs_a=plan.programs[0],
+        PARTIAL_B=partial_b, OUT_B=out_b, n_partials_b=partial_b.shape[0],
+        size_b=out_b.numel(), stride_b=partial_b.stride(0),
+        BLOCK_P=plan.block_p, BLOCK_N=plan.block_n, num_warps=plan.num_warps)
+    return outs

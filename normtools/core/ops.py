@@ -117,7 +117,7 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
         BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
         num_ctas=plan.num_ctas,
     )
-    dw = x.new_empty(0) if weight is None else sum_partials(dw_partial, weight.dtype)[0]
+    dw = x.new_empty(0) if weight is None else sum_partials((dw_partial[:, 0], weight.dtype))[0]
     return dx, dw
 
 
@@ -375,7 +375,8 @@ def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
         BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
         num_ctas=plan.num_ctas,
     )
-    grads = [sum_partials(partial[:, slot:slot + 1], p.dtype)[0] for slot, p in enumerate(params)]
+    grads = list(sum_partials(*((partial[:, slot], p.dtype) for slot, p in enumerate(params)))
+                 if params else [])                      # dw and db in one launch
     dw = x.new_empty(0) if weight is None else grads.pop(0)
     db = x.new_empty(0) if bias is None else grads.pop(0)
     return dx, dw, db

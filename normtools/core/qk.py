@@ -230,15 +230,13 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
     return qy, ky, q_rstd, k_rstd
 
 
-def weight_grad_from_partials(partial, heads, weight):
-    """Weight gradient from the float32 partial rows, in one launch: (groups · heads, N), row
-    group · heads + head, summed over the token groups for one weight row per head; one row
-    per program, all summed, when the heads share one weight row."""
-    n = partial.shape[1]
-    per_head = weight.dim() == 2
-    dw = sum_partials(partial.view(-1, heads, n) if per_head else partial.view(-1, 1, n),
-                      weight.dtype)
-    return dw if per_head else dw[0]
+def weight_grads_from_partials(q_partial, q_weight, k_partial, k_weight):
+    """dq_weight and dk_weight from their float32 partial rows, in one launch
+    (``launcher.sum_partials``). A tensor's partial rows hold its weight's values in groups:
+    (groups · H, D) for one row per head (row group · H + head), summed over the groups; one
+    row per program, all summed, when the heads share one weight row."""
+    return tuple(sum_partials((q_partial.view(-1, *q_weight.shape), q_weight.dtype),
+                              (k_partial.view(-1, *k_weight.shape), k_weight.dtype)))
 
 
 def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq, nk, offset):
@@ -268,8 +266,7 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
             offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq,
             BLOCK_NK=block_nk, QW_PER_HEAD=q_weight.dim() == 2, KW_PER_HEAD=k_weight.dim() == 2,
             num_warps=plan.num_warps, num_ctas=plan.num_ctas)
-    return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
-            weight_grad_from_partials(dkw_partial, hk, k_weight))
+    return (dq, dk, *weight_grads_from_partials(dqw_partial, q_weight, dkw_partial, k_weight))
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -30,7 +30,7 @@ from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backe
 from normtools.core.ops import records_analytic_node, runs_torch_math
 from normtools.core.qk import (check_qk_inputs, norm_rows, row_lens, rows_as_heads,
                                torch_backward, torch_forward, torch_qk_norm_heads,
-                               weight_grad_from_partials)
+                               weight_grads_from_partials)
 from normtools.core.reference import (rms_norm_backward_reference, rms_norm_native_with_rstd,
                                       rms_norm_output_dtype, rope_backward_reference,
                                       rope_reference)
@@ -227,7 +227,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
 
 def _partial_buffer(weight, heads, head_dim, per_layer, programs, groups, device):
     """The float32 partials of one tensor's weight gradient, shaped for
-    ``weight_grad_from_partials``:
+    ``weight_grads_from_partials``:
     (programs, D) for a shared (D,) weight, (groups · H, D) for one row per head,
     (groups, H · D) per layer (the layouts of kernels/qk_norm_rope.py)."""
     if per_layer:
@@ -270,8 +270,7 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
             HEAD_DIM=head_dim, Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, BLOCK_M=plan.block_m,
             BLOCK_HQ=block_hq,
             BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=plan.num_warps)
-    return (dq, dk, weight_grad_from_partials(dqw_partial, hq, q_weight),
-            weight_grad_from_partials(dkw_partial, hk, k_weight))
+    return (dq, dk, *weight_grads_from_partials(dqw_partial, q_weight, dkw_partial, k_weight))
 
 
 # ----------------------------------------------------------------------------- custom ops

@@ -13,9 +13,11 @@ How it measures (no GPU needed):
 3. Compile ahead of time with ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc,
    32))`` to PTX, for each compute capability (90: H100/H200, 80: A100, 75: T4, Colab's free
    GPU).
-4. Assemble the PTX with Triton's bundled ``ptxas-blackwell -v --gpu-name sm_XX`` (sm_90a for
-   90; it reads Triton 3.9's PTX, the older bundled ``ptxas`` does not) and read its report:
-   "Used R registers" and "S bytes stack frame, A bytes spill stores, B bytes spill loads".
+4. Count the cluster exchanges in the PTX (``ld.shared::cluster``, one per value a
+   reduction sends across a cluster), assemble the PTX with Triton's bundled ``ptxas-blackwell
+   -v --gpu-name sm_XX`` (sm_90a for 90; it reads Triton 3.9's PTX, the older bundled
+   ``ptxas`` does not) and read its report: "Used R registers" and "S bytes stack frame, A
+   bytes spill stores, B bytes spill loads".
 
 ``spill_table()`` returns one row per (op, dtype, N, kernel configuration, cc). Needs
 TRITON_INTERPRET unset (an interpreted kernel cannot be compiled); compiling takes about two
@@ -49,6 +51,10 @@ OPS = ("rms_norm_fwd_bwd", "add_rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
        "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd",
        "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
 _QK_HEAD_DIMS = (64, 128, 256)
+# The PTX instruction by which a CTA reads another CTA's shared memory in a cluster: one per
+# value a reduction exchanges across the cluster (Triton 3.9 puts each behind its own cluster
+# barrier), so its count is the number of exchanges a row's reductions cost.
+CLUSTER_EXCHANGE = "ld.shared::cluster"
 _REPORT = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
                      r".*?Used (\d+) registers", re.S)
 
@@ -86,7 +92,8 @@ def _specialize(launch, cc):
 
 def compile_report(launch, cc):
     """Compile one recorded launch for compute capability ``cc``; ptxas's report as a dict:
-    registers, stack, spill_stores, spill_loads (bytes) and the configuration's key."""
+    registers, stack, spill_stores, spill_loads (bytes), and the PTX's cluster_exchanges
+    (CLUSTER_EXCHANGE instructions: 0 off a cluster)."""
     signature, constexprs, attrs, options = _specialize(launch, cc)
     key = (launch.kernel.fn.__name__, cc, repr(sorted(signature.items())),
            repr(sorted((k, repr(v)) for k, v in constexprs.items())), repr(sorted(attrs.items())),
@@ -116,7 +123,9 @@ def _compile_cached(key, kernel, signature, constexprs, attrs, options, cc):
         source = ASTSource(kernel, signature, constexprs, attrs)
         compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
                                   options=options.__dict__)
-        _COMPILED[key] = _ptxas_report(compiled.asm["ptx"], cc)
+        ptx = compiled.asm["ptx"]
+        _COMPILED[key] = {**_ptxas_report(ptx, cc),
+                          "cluster_exchanges": ptx.count(CLUSTER_EXCHANGE)}
     return _COMPILED[key]
 
 

@@ -13,7 +13,8 @@ on 8 CTAs, backward on 16), per-layer QK-Norm, at sm_90; rms_norm at N = 32768 (
 sm_90, chunks before) and the fused QK-Norm + RoPE per layer (N = 4096 in one tile; N = 65536
 in tiles, whose 4096-wide backward tiles spilled 8 B) also for sm_80 and sm_75 (Colab's T4),
 and its float16 backward at N = 16384 at sm_90 (4 B of spill in 8 warps).
-``python -m normtools.measure.spills`` prints the full table.
+The same compiles count the cluster exchanges of each reduction (LayerNorm's backward packs
+its two sums into one). ``python -m normtools.measure.spills`` prints the full table.
 """
 
 import json
@@ -102,6 +103,22 @@ def test_clusters_compile_at_sm90_only(report):
     assert chunked == {"rms_norm_fwd", "rms_norm_bwd"}
 
 
+def test_cluster_reductions_exchange_once_per_value(report):
+    """On a cluster a reduction exchanges each of its values across the CTAs behind a cluster
+    barrier. LayerNorm's backward packs c1 and c2 in one value (one exchange per row, two
+    before), its forward needs two (mean, then the squared deviations), RMSNorm's one;
+    off a cluster there is none."""
+    exchanges = {}
+    for r in report["rows"]:
+        if r["kernel"] != "sum_partials":
+            exchanges.setdefault((r["kernel"], "ctas=" in r["config"]), set()).add(
+                r["cluster_exchanges"])
+    assert exchanges[("layer_norm_bwd", True)] == {1}
+    assert exchanges[("layer_norm_fwd", True)] == {2}
+    assert exchanges[("rms_norm_bwd", True)] == exchanges[("rms_norm_fwd", True)] == {1}
+    assert all(counts == {0} for (_, cluster), counts in exchanges.items() if not cluster)
+
+
 def test_compiles_for_sm80_and_sm75(report):
     """Every kernel of rms_norm forward+backward at N = 32768 and of the fused QK-Norm + RoPE
     per layer (a row in one tile, and one read in tiles) compiles for A100 and T4."""
@@ -120,5 +137,5 @@ def test_committed_table_matches_the_compiles(report):
     compiled = pd.DataFrame(report["rows"])
     merged = compiled.merge(committed, on=key, how="left", suffixes=("", "_committed"))
     assert merged["registers_committed"].notna().all(), merged[merged.isna().any(axis=1)]
-    for column in ("registers", "stack", "spill_stores", "spill_loads"):
+    for column in ("registers", "stack", "spill_stores", "spill_loads", "cluster_exchanges"):
         assert (merged[column] == merged[f"{column}_committed"]).all(), column
