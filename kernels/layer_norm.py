@@ -22,7 +22,7 @@ mean first. (Its single-reduction form, Welford's (mean, M2, count) merged pairw
 count as a second value to exchange, and compiled for sm_90 at N = 65536 on a cluster of 4
 CTAs it spilled; two reductions do not.)
 
-Layout, chunking and determinism follow kernels/rms_norm.py: rows are addressed through their
+Layout, chunking, prefetch and determinism follow kernels/rms_norm.py: rows are addressed through their
 row stride; grids are persistent (a program loops over rows_per_program rows and reads w and b
 once, or once per chunk); a row that fits in BLOCK_N columns is read once (SINGLE_PASS), on
 sm_90 rows of up to 131072 values too, each program then a cluster of CTAs (see rms_norm.py).
@@ -53,6 +53,7 @@ def layer_norm_fwd(
     M, N, eps, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Persistent program pid normalizes rows [pid · rows_per_program, +rows_per_program) in
     blocks of BLOCK_M rows; w and b are read once per program (per chunk when chunked)."""
@@ -65,7 +66,7 @@ def layer_norm_fwd(
         col_mask = cols < N
         w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
         b = load_param(B, cols, col_mask, -0.0, 0.0, HAS_BIAS)
-        for block_start in range(row_start, row_end, BLOCK_M):
+        for block_start in tl.range(row_start, row_end, BLOCK_M, num_stages=NUM_STAGES):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0,
@@ -129,6 +130,7 @@ def layer_norm_bwd(
     M, N, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Persistent program pid handles rows [pid · rows_per_program, +rows_per_program) in
     blocks of BLOCK_M rows and stores its partial rows of dw and db once."""
@@ -145,7 +147,7 @@ def layer_norm_bwd(
         w = load_param(W, cols, col_mask, -0.0, 1.0, HAS_WEIGHT)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         db_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for block_start in range(row_start, row_end, BLOCK_M):
+        for block_start in tl.range(row_start, row_end, BLOCK_M, num_stages=NUM_STAGES):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             x_hat, dy, rstd, mask = _load_xhat_dy(X, DY, MEAN, RSTD, rows, row_mask, cols,
                                                   col_mask, stride_x, stride_dy, "evict_first")

@@ -37,6 +37,11 @@ Both grids are persistent: a program handles ``rows_per_program`` rows and reads
 once (once per chunk when chunked), not once per row. The chunked passes that need the weight
 run column chunk by column chunk over all rows of the program.
 
+Prefetch. The single-pass loop over a program's row blocks is ``tl.range(..., num_stages=
+NUM_STAGES)``: with NUM_STAGES = s > 1, Triton loads the next s − 1 row blocks into shared
+memory (cp.async) while the current one is reduced. The plans set 1, no prefetch, unless asked
+(launch_plans.PREFETCH_KERNELS); whether it pays is for the GPU run to measure.
+
 Traffic (A = one M × N activation): single pass: forward 2A (add: 4A), backward 3A (+A with a
 residual gradient). Chunked: forward 3A (add: 5A), backward 5A. The bytes are counted by
 normtools.measure.bytes_counter. Loads read once are marked evict_first; what a later pass
@@ -63,6 +68,7 @@ def rms_norm_fwd(
     M, N, eps, offset, rows_per_program,
     HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr, ROUND_XHAT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Persistent program pid normalizes rows [pid · rows_per_program, +rows_per_program) in
     blocks of BLOCK_M rows; the weight is read once per program (per chunk when chunked)."""
@@ -76,7 +82,7 @@ def rms_norm_fwd(
         cols = tl.arange(0, BLOCK_N)
         col_mask = cols < N
         s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
-        for block_start in range(row_start, row_end, BLOCK_M):
+        for block_start in tl.range(row_start, row_end, BLOCK_M, num_stages=NUM_STAGES):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             x = _load_x(X, RES, SUM, rows, cols, mask, stride_x, stride_res, stride_sum,
@@ -127,6 +133,7 @@ def rms_norm_bwd(
     M, N, offset, rows_per_program,
     HAS_WEIGHT: tl.constexpr, HAS_DSUM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SINGLE_PASS: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     """Persistent program pid handles rows [pid · rows_per_program, +rows_per_program) in
     blocks of BLOCK_M rows and writes its partial dw row DW_PARTIAL[pid] once."""
@@ -140,7 +147,7 @@ def rms_norm_bwd(
         col_mask = cols < N
         s = load_param(W, cols, col_mask, offset, 1.0, HAS_WEIGHT)
         dw_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for block_start in range(row_start, row_end, BLOCK_M):
+        for block_start in tl.range(row_start, row_end, BLOCK_M, num_stages=NUM_STAGES):
             rows, row_mask = row_block(block_start, row_end, BLOCK_M)
             mask = row_mask[:, None] & col_mask[None, :]
             x, dy = load_grad_tile(X, DY, rows, cols, mask, stride_x, stride_dy, "evict_first")

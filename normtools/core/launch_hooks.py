@@ -13,6 +13,9 @@ in one thread or task never leaks into another), change what those two do:
   slot) of a kernel from ``rows`` whatever the number of rows, so a few programs of a real
   plan run at a fraction of its rows. Used by the bytes counter, which counts a launch's
   bytes on a few of its programs.
+* ``prefetching(stages)``: the row norms' CUDA plans load rows ahead in their persistent
+  loops (``tl.range(..., num_stages)``). Used by the benchmark's normtools-triton-prefetch
+  backend and the spill report (each stage count compiled).
 * ``recording_launches()``: kernel_for records each launch (kernel, grid, arguments) instead
   of running it. Used by ``normtools.measure.spills``, which compiles the recorded launches
   for a GPU ahead of time.
@@ -37,6 +40,26 @@ INTERPRETED_LAUNCH_OBSERVER = contextvars.ContextVar("normtools_launch_observer"
 _LAUNCH_RECORDER = contextvars.ContextVar("normtools_launch_recorder", default=None)
 _PLAN_TARGET = contextvars.ContextVar("normtools_plan_target", default=None)
 _REPLAYED_ROWS = contextvars.ContextVar("normtools_replayed_rows", default=None)
+_PREFETCH_STAGES = contextvars.ContextVar("normtools_prefetch_stages", default=1)
+
+
+@contextlib.contextmanager
+def prefetching(stages):
+    """Within this context, CUDA plans of the row norms' single-pass kernels load their rows
+    ``stages`` − 1 iterations ahead (``LaunchPlan.num_stages``, launch_plans.PREFETCH_KERNELS):
+    how the GPU run times the prefetch against the default plan (no prefetch)."""
+    if stages < 1:
+        raise ValueError(f"prefetch stages must be at least 1, got {stages}")
+    token = _PREFETCH_STAGES.set(stages)
+    try:
+        yield
+    finally:
+        _PREFETCH_STAGES.reset(token)
+
+
+def prefetch_stages():
+    """The stages of the enclosing ``prefetching``, or 1 (no prefetch)."""
+    return _PREFETCH_STAGES.get()
 
 
 @contextlib.contextmanager

@@ -61,6 +61,13 @@ TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 SM_REGISTERS = 65536
 MAX_THREAD_REGISTERS = 255
 
+# The kernels whose single-pass persistent loop over row blocks can prefetch: with
+# num_stages = s, tl.range(..., num_stages=s) loads the next s − 1 blocks with cp.async into
+# shared memory while the current one is reduced (compiled for sm_90 with no spill: bfloat16
+# tiles take 32 KB of shared memory per stage, float32 64 KB). Off by default (num_stages = 1):
+# whether it pays is for the GPU run to measure (launch_hooks.prefetching).
+PREFETCH_KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd")
+
 KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
            "qk_norm_fwd", "qk_norm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
 
@@ -252,7 +259,8 @@ class LaunchPlan:
     each (a cluster when > 1), and the reason the configuration was picked. ``shares``: the
     grid's programs per tensor, in launch order (one Share for a row op; q's, then k's for
     QK-Norm); ``rows_per_program`` is the first tensor's. ``single_pass``: the whole row fits
-    one tile (N <= BLOCK_N), the kernels' SINGLE_PASS."""
+    one tile (N <= BLOCK_N), the kernels' SINGLE_PASS. ``num_stages``: the kernels'
+    NUM_STAGES, row blocks in flight in the single-pass loop (1: no prefetch)."""
 
     block_m: int
     block_n: int
@@ -263,6 +271,7 @@ class LaunchPlan:
     reason: str
     num_ctas: int = 1
     shares: tuple = ()
+    num_stages: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -378,7 +387,7 @@ def share_programs(limit, m, tensors, group_heads=False):
 
 def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT,
                 tensors=((1, 1),), capability=DEFAULT_CAPABILITY, resident_limit=None,
-                group_heads=False, fixed_rows=None):
+                group_heads=False, fixed_rows=None, prefetch_stages=1):
     """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
     reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
     spill report, SM-time model) use the same block sizes and grid.
@@ -398,6 +407,9 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     ``fixed_rows``: per tensor (rows_per_program, heads_per_slot) to keep instead of
     splitting the limit, with ceil(m / rows_per_program) programs per slot (how the bytes
     counter runs a few programs of a real plan: ``launch_hooks.replaying_rows``).
+
+    ``prefetch_stages`` (CUDA only): ``num_stages`` of a single-pass plan of a kernel of
+    PREFETCH_KERNELS (every other plan: 1).
 
     ``resident_limit`` (CUDA only): the programs the GPU holds at once, when known, replacing
     the computed limit: limit = max(1, ``resident_limit``). A cluster of 4 or more CTAs must
@@ -437,5 +449,7 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         shares = tuple(dataclasses.replace(share, rows_per_program=share.rows_per_program * unit)
                        for share in share_programs(limit, triton.cdiv(m, unit), tuple(tensors),
                                                    group_heads))
+    prefetches = device_type == "cuda" and n <= block_n and kernel in PREFETCH_KERNELS
     return LaunchPlan(block_m, block_n, num_warps, sum(share.programs for share in shares),
-                      shares[0].rows_per_program, n <= block_n, reason, num_ctas, shares)
+                      shares[0].rows_per_program, n <= block_n, reason, num_ctas, shares,
+                      prefetch_stages if prefetches else 1)

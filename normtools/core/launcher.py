@@ -8,7 +8,8 @@ A launcher (``normtools.core.ops``, ``qk``, ``rope``) does, for every kernel it 
 * ``resolve_backend``: "auto" → "triton" on CUDA, "torch" on CPU unless the interpreter is
   asked for (``TRITON_INTERPRET=1``).
 * ``plan_for``: ``launch_plans.launch_plan`` for the tensors' device (its SM count and compute
-  capability on CUDA), or for the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``.
+  capability on CUDA), or for the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``
+  (with the prefetch stages of an enclosing ``launch_hooks.prefetching``).
   A cluster plan on CUDA is capped at the clusters the GPU holds at once (``_RESIDENT_CLUSTERS``,
   filled by the launches: see ``record_resident_clusters``), so its grid is one wave.
 * ``kernel_for``: the callable kernel for a device: the compiled ``@triton.jit`` kernel inside
@@ -74,17 +75,20 @@ def plan_for(kernel, dtype, m, n, device, tensors=((1, 1),), group_heads=False):
     if target is not None:
         sm_count, capability = target
         return launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
-                           group_heads=group_heads, fixed_rows=launch_hooks.replayed_rows(kernel))
+                           group_heads=group_heads, fixed_rows=launch_hooks.replayed_rows(kernel),
+                           prefetch_stages=launch_hooks.prefetch_stages())
     if torch.device(device).type == "cuda":
         sm_count, capability = cuda_sm_count_and_capability(device)
+        stages = launch_hooks.prefetch_stages()
         plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
-                           group_heads=group_heads)
+                           group_heads=group_heads, prefetch_stages=stages)
         if plan.num_ctas > 1:
             resident = _RESIDENT_CLUSTERS.get(
                 (kernel, cuda_index(device), plan.num_ctas, plan.num_warps))
             if resident is not None and plan.programs > resident:
                 plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
-                                   resident_limit=resident, group_heads=group_heads)
+                                   resident_limit=resident, group_heads=group_heads,
+                                   prefetch_stages=stages)
         return plan
     return launch_plan(kernel, dtype, m, n, "cpu", tensors=tensors, group_heads=group_heads)
 

@@ -95,7 +95,7 @@ def _rms_norm_fwd_triton(x, residual, weight, eps, offset, casting):
             rows_per_program=plan.rows_per_program,
             HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             ROUND_XHAT=casting == "llama", BLOCK_M=plan.block_m, BLOCK_N=plan.block_n,
-            SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
+            SINGLE_PASS=plan.single_pass, NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
             num_ctas=plan.num_ctas,
         )
     return y, (summed if residual is not None else x.new_empty(0)), rstd
@@ -114,7 +114,8 @@ def _rms_norm_bwd_triton(dy, x, weight, rstd, dsum, offset):
         stride_dy=dy2.stride(0), stride_x=x2.stride(0), stride_dsum=dsum2.stride(0),
         stride_dx=n, M=m, N=n, offset=offset, rows_per_program=plan.rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_DSUM=dsum is not None, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
+        BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, NUM_STAGES=plan.num_stages,
+        num_warps=plan.num_warps,
         num_ctas=plan.num_ctas,
     )
     dw = x.new_empty(0) if weight is None else sum_partials((dw_partial[:, 0], weight.dtype))[0]
@@ -352,6 +353,7 @@ def _layer_norm_fwd_triton(x, weight, bias, eps):
             rows_per_program=plan.rows_per_program,
             HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None,
             BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass,
+            NUM_STAGES=plan.num_stages,
             num_warps=plan.num_warps, num_ctas=plan.num_ctas,
         )
     return y, mean, rstd
@@ -372,7 +374,8 @@ def _layer_norm_bwd_triton(dy, x, weight, bias, mean, rstd):
         stride_dy=dy2.stride(0), stride_x=x2.stride(0), stride_dx=n, M=m, N=n,
         rows_per_program=plan.rows_per_program,
         HAS_WEIGHT=weight is not None, HAS_BIAS=bias is not None, BLOCK_M=plan.block_m,
-        BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, num_warps=plan.num_warps,
+        BLOCK_N=plan.block_n, SINGLE_PASS=plan.single_pass, NUM_STAGES=plan.num_stages,
+        num_warps=plan.num_warps,
         num_ctas=plan.num_ctas,
     )
     grads = list(sum_partials(*((partial[:, slot], p.dtype) for slot, p in enumerate(params)))

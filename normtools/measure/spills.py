@@ -51,6 +51,9 @@ OPS = ("rms_norm_fwd_bwd", "add_rms_norm_fwd_bwd", "layer_norm_fwd_bwd",
        "qk_norm_per_head_fwd_bwd", "qk_norm_per_layer_fwd_bwd",
        "qk_norm_rope_per_head_fwd_bwd", "qk_norm_rope_per_layer_fwd_bwd")
 _QK_HEAD_DIMS = (64, 128, 256)
+# Prefetch stage counts compiled at sm_90 besides the default 1 (launch_plans.PREFETCH_KERNELS;
+# the other kernels ignore it, and their rows are not repeated)
+PREFETCH_STAGES = (2,)
 # The PTX instruction by which a CTA reads another CTA's shared memory in a cluster: one per
 # value a reduction exchanges across the cluster (Triton 3.9 puts each behind its own cluster
 # barrier), so its count is the number of exchanges a row's reductions cost.
@@ -65,13 +68,15 @@ def _ptxas_path():
                         "ptxas-blackwell")
 
 
-def _record_launches(op, dtype, n, m=64, capability=launch_plans.DEFAULT_CAPABILITY):
+def record_launches(op, dtype, n, m=64, capability=launch_plans.DEFAULT_CAPABILITY, stages=1):
     """The kernel launches of ``op`` (forward and backward for *_fwd_bwd) at row length ``n``
     (``triton_runs.op_shape``: QK per head, head_dim n with 32 q and 8 k heads; per layer, 32 q
     heads of n / 32) with the CUDA launch plan of a GPU of compute capability ``capability``
-    (clusters from 90 on): a list of ``launch_hooks.RecordedLaunch``."""
+    (clusters from 90 on), prefetching ``stages`` (``launch_hooks.prefetching``): a list of
+    ``launch_hooks.RecordedLaunch``."""
     inputs = op_inputs(op, op_shape(op, n, m), dtype)
     with (launch_hooks.planning_for_cuda(capability=capability),
+          launch_hooks.prefetching(stages),
           launch_hooks.recording_launches() as launches):
         run_on_triton(op, inputs)
     return launches
@@ -118,12 +123,21 @@ def _ptxas_report(ptx, cc):
 _COMPILED = {}
 
 
+def compiled_ptx(launch, cc):
+    """The PTX of one recorded launch compiled for compute capability ``cc``."""
+    signature, constexprs, attrs, options = _specialize(launch, cc)
+    return _compile_ptx(launch.kernel, signature, constexprs, attrs, options, cc)
+
+
+def _compile_ptx(kernel, signature, constexprs, attrs, options, cc):
+    source = ASTSource(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", cc, 32),
+                          options=options.__dict__).asm["ptx"]
+
+
 def _compile_cached(key, kernel, signature, constexprs, attrs, options, cc):
     if key not in _COMPILED:
-        source = ASTSource(kernel, signature, constexprs, attrs)
-        compiled = triton.compile(source, target=GPUTarget("cuda", cc, 32),
-                                  options=options.__dict__)
-        ptx = compiled.asm["ptx"]
+        ptx = _compile_ptx(kernel, signature, constexprs, attrs, options, cc)
         _COMPILED[key] = {**_ptxas_report(ptx, cc),
                           "cluster_exchanges": ptx.count(CLUSTER_EXCHANGE)}
     return _COMPILED[key]
@@ -134,22 +148,27 @@ def _constexpr_summary(launch):
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_NQ", "BLOCK_NK", "BLOCK_HQ", "BLOCK_HK", "BLOCK_P",
              "SINGLE_PASS")
     parts = [f"{k}={int(v)}" for k, v in launch.kwargs.items() if k in names]
-    ctas = launch.kwargs.get("num_ctas", 1)
+    ctas, stages = launch.kwargs.get("num_ctas", 1), launch.kwargs.get("NUM_STAGES", 1)
     return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"]
-                    + ([f"ctas={ctas}"] if ctas > 1 else []))
+                    + ([f"ctas={ctas}"] if ctas > 1 else [])
+                    + ([f"stages={stages}"] if stages > 1 else []))
 
 
-def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=_ARCHS, qk_head_dims=_QK_HEAD_DIMS):
+def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=_ARCHS, qk_head_dims=_QK_HEAD_DIMS,
+                prefetch=PREFETCH_STAGES):
     """Registers and spill bytes of every launch the launcher picks, one row per (op, dtype,
-    N, kernel, cc), with the plan of each cc (sm_90's clusters, older GPUs' chunks). N is the
-    row length (QK per head: head_dim). See the module docstring for how it is measured."""
+    N, kernel, config, cc), with the plan of each cc (sm_90's clusters, older GPUs' chunks).
+    N is the row length (QK per head: head_dim). At sm_90 the plans are compiled once more for
+    each stage count in ``prefetch`` (``launch_hooks.prefetching``; config "stages=s" where
+    a kernel prefetches). See the module docstring for how it is measured."""
     rows = []
     for op in ops:
         for dtype in dtypes:
             lengths = qk_head_dims if "per_head" in op else ns
             for n in lengths:
-                for cc in archs:
-                    for launch in _record_launches(op, dtype, n, capability=cc):
+                for cc, stages in [(cc, s) for cc in archs
+                                   for s in ((1, *prefetch) if cc >= 90 else (1,))]:
+                    for launch in record_launches(op, dtype, n, capability=cc, stages=stages):
                         report = compile_report(launch, cc)
                         rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
                                      "N": n, "kernel": launch.kernel.fn.__name__,

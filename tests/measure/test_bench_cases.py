@@ -359,9 +359,45 @@ def test_chunked_plan_backend_reads_long_rows_twice():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_prefetch_backend_prefetches_every_row_norm_launch():
+    """normtools-triton-prefetch's wrapper: on the sm_90 plan every single-pass row-norm
+    launch of the call, backward included, gets NUM_STAGES = 2 (1 without the wrapper, and for
+    the weight-gradient sum), and the results are those of the default plan (the interpreter
+    runs the loop the same way)."""
+    from normtools.core import launch_hooks
+    from normtools.measure.bench import backends
+
+    shape = {"M": 4096, "N": 4096}
+    assert backends.prefetch_matters("rms_norm_fwd_bwd", shape)
+    assert not backends.prefetch_matters("rms_norm_fwd_bwd", {"M": 64, "N": 4096})  # a block
+    assert not backends.prefetch_matters("qk_norm_per_head", {"T": 4096, "Hq": 8, "Hk": 2,
+                                                              "D": 128})
+    t = bench.make_inputs("rms_norm_fwd_bwd", {"M": 64, "N": 512}, torch.float32, "cpu")
+
+    def fwd_bwd(inputs):
+        y = normtools.rms_norm(inputs["x"], inputs["w"], 1e-6, backend="triton")
+        return torch.autograd.grad(y, (inputs["x"], inputs["w"]), inputs["dy"])
+
+    stages = {}
+    for wrap in (lambda fn: fn, backends.on_prefetching_plan):
+        with launch_hooks.planning_for_cuda(), launch_hooks.recording_launches() as launches:
+            wrap(fwd_bwd)(t)
+        stages[wrap] = {launch.kernel.fn.__name__: launch.kwargs.get("NUM_STAGES")
+                        for launch in launches}
+    plain, prefetching = stages.values()
+    assert plain == {"rms_norm_fwd": 1, "rms_norm_bwd": 1, "sum_partials": None}
+    assert prefetching == {"rms_norm_fwd": 2, "rms_norm_bwd": 2, "sum_partials": None}
+    with launch_hooks.planning_for_cuda():
+        expected = fwd_bwd(t)
+        got = backends.on_prefetching_plan(fwd_bwd)(t)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
 def test_estimate_leaves_out_rows_a_backend_skips():
-    """The chunked-plan backend adds estimated time to a long row only; Liger none to the
-    fused QK-Norm + RoPE it does not offer."""
+    """The chunked-plan backend adds estimated time to a long row only, the prefetching one
+    to a row op whose programs have several row blocks; Liger none to the fused QK-Norm +
+    RoPE it does not offer."""
     long_row, short_row = (bench.Case("sweep", "rms_norm", {"M": 64, "N": n})
                            for n in (32768, 4096))
     rope = bench.Case("sweep", "qk_norm_rope_per_head", {"T": 64, "Hq": 4, "Hk": 2, "D": 64})
@@ -372,4 +408,8 @@ def test_estimate_leaves_out_rows_a_backend_skips():
     ours = ["normtools-triton"]
     assert seconds(long_row, ours + ["normtools-triton-chunks"]) > seconds(long_row, ours)
     assert seconds(short_row, ours + ["normtools-triton-chunks"]) == seconds(short_row, ours)
+    many_rows = bench.Case("sweep", "rms_norm", {"M": 4096, "N": 4096})
+    assert seconds(many_rows, ours + ["normtools-triton-prefetch"]) > seconds(many_rows, ours)
+    assert seconds(short_row, ours + ["normtools-triton-prefetch"]) == seconds(short_row, ours)
+    assert seconds(rope, ours + ["normtools-triton-prefetch"]) == seconds(rope, ours)
     assert seconds(rope, ours + ["liger"]) == seconds(rope, ours)

@@ -54,6 +54,13 @@ table = [table, spills.spill_table(ops=("rms_norm_fwd_bwd",), dtypes=(torch.bflo
          spills.spill_table(ops=("qk_norm_rope_per_layer_fwd_bwd",), dtypes=(torch.float16,),
                             ns=(16384,), archs=(90,))]
 out["rows"] = [row for t in table for row in t.to_dict("records")]
+# the prefetch: cp.async loads in the forward's loop when it prefetches, none by default
+out["cp_async"] = {
+    stages: [spills.compiled_ptx(launch, 90).count("cp.async")
+             for launch in spills.record_launches("rms_norm_fwd_bwd", torch.bfloat16, 4096,
+                                                  m=4096, stages=stages)
+             if launch.kernel.fn.__name__ == "rms_norm_fwd"]
+    for stages in (1, 2)}
 print(json.dumps(out))
 """
 
@@ -117,6 +124,18 @@ def test_cluster_reductions_exchange_once_per_value(report):
     assert exchanges[("layer_norm_fwd", True)] == {2}
     assert exchanges[("rms_norm_bwd", True)] == exchanges[("rms_norm_fwd", True)] == {1}
     assert all(counts == {0} for (_, cluster), counts in exchanges.items() if not cluster)
+
+
+def test_prefetch_compiles_to_async_copies(report):
+    """A prefetching plan's loop loads ahead with cp.async, the default plan's does not; at
+    sm_90 the table has the row norms' kernels compiled both ways (none spills: above)."""
+    assert report["cp_async"]["1"] == [0]
+    assert report["cp_async"]["2"][0] > 0
+    prefetching = {(r["kernel"], r["N"]) for r in report["rows"]
+                   if r["cc"] == 90 and "stages=2" in r["config"]}
+    for kernel in ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd"):
+        assert {(kernel, 16384), (kernel, 131072)} <= prefetching
+    assert not [r for r in report["rows"] if r["cc"] < 90 and "stages=" in r["config"]]
 
 
 def test_compiles_for_sm80_and_sm75(report):

@@ -107,10 +107,41 @@ def on_chunked_plan(fn, sm_count):
     return call
 
 
-def _chunked_ops(device, head_dim):
+def _cuda_plan_ops(device, head_dim):
+    """normtools-triton's ops, for a backend that changes their CUDA launch plan."""
     if torch.device(device).type != "cuda":
         raise Unavailable("a CUDA launch plan: on CPU the kernels run the interpreter's plan")
     return _normtools_ops("triton", head_dim)
+
+
+# normtools-triton-prefetch: the same kernels and plan, the row norms' single-pass loops
+# loading PREFETCH_STAGES − 1 row blocks ahead (launch_hooks.prefetching): the A/B of the
+# prefetch, timed where an sm_90 plan has a single-pass program of more than one row block.
+PREFETCH_STAGES = 2
+_PREFETCH_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
+                     "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
+                     "layer_norm": ("layer_norm_fwd",)}
+
+
+def prefetch_matters(op, shape):
+    """True when an sm_90 plan of ``op`` at ``shape`` prefetching PREFETCH_STAGES has a
+    kernel whose programs loop over more than one row block (something to load ahead)."""
+    if op not in _PREFETCH_KERNELS:
+        return False
+    rows, n = rows_and_length(op, shape)
+    plans = (launch_plans.launch_plan(kernel, torch.bfloat16, rows, n,
+                                      prefetch_stages=PREFETCH_STAGES)
+             for kernel in _PREFETCH_KERNELS[op])
+    return any(plan.num_stages > 1 and plan.rows_per_program > plan.block_m for plan in plans)
+
+
+def on_prefetching_plan(fn, stages=PREFETCH_STAGES):
+    """``fn`` with every kernel launched on a plan that prefetches ``stages``, backward
+    included."""
+    def call(t):
+        with launch_hooks.prefetching(stages):
+            return fn(t)
+    return call
 
 
 def _torch_f_ops(head_dim):
@@ -210,7 +241,8 @@ def backend_fn(op, backend, device, shape):
     head_dim = shape.get("D")
     builders = {
         "normtools-triton": lambda: _normtools_ops("triton", head_dim),
-        "normtools-triton-chunks": lambda: _chunked_ops(device, head_dim),
+        "normtools-triton-chunks": lambda: _cuda_plan_ops(device, head_dim),
+        "normtools-triton-prefetch": lambda: _cuda_plan_ops(device, head_dim),
         "normtools-torch": lambda: _normtools_ops("torch", head_dim),
         "torch-F": lambda: _torch_f_ops(head_dim),
         "torch-compile": lambda: _compiled_reference_ops(head_dim),
@@ -224,7 +256,10 @@ def backend_fn(op, backend, device, shape):
         raise Unavailable(_NOT_OFFERED.get((backend, forward), f"{backend} has no {op}"))
     if not offered(op, backend, shape):
         raise Unavailable("no thread-block cluster in the sm_90 plan of this shape: the "
-                          "launch plan of normtools-triton")
+                          "launch plan of normtools-triton"
+                          if backend == "normtools-triton-chunks" else
+                          "no single-pass program of several row blocks to prefetch in the "
+                          "sm_90 plan of this shape: the launch plan of normtools-triton")
     if op == "rms_norm_fwd_bwd":
         fn = _with_backward(ops["rms_norm"])
     elif op.endswith("_fwd_bwd"):
@@ -233,16 +268,22 @@ def backend_fn(op, backend, device, shape):
         fn = _no_grad(ops[op])
     if backend == "normtools-triton-chunks":
         return on_chunked_plan(fn, launcher.cuda_sm_count_and_capability(device)[0])
+    if backend == "normtools-triton-prefetch":
+        return on_prefetching_plan(fn)
     return fn
 
 
 def offered(op, backend, shape):
     """Whether ``backend`` times ``op`` at ``shape`` (False: a skipped row, which the time
-    estimate leaves out): not a fused op it lacks, and for normtools-triton-chunks only where
-    ``clusters_matter``."""
+    estimate leaves out): not a fused op it lacks, for normtools-triton-chunks only where
+    ``clusters_matter``, for normtools-triton-prefetch only where ``prefetch_matters``."""
     if (backend, op.removesuffix("_fwd_bwd")) in _NOT_OFFERED:
         return False
-    return backend != "normtools-triton-chunks" or clusters_matter(op, shape)
+    if backend == "normtools-triton-chunks":
+        return clusters_matter(op, shape)
+    if backend == "normtools-triton-prefetch":
+        return prefetch_matters(op, shape)
+    return True
 
 
 def default_backends(device):

@@ -183,7 +183,8 @@ def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=("first pass", "real sha
 # Assumptions of the estimate (an H200: ~4.8 TB/s HBM; Triton JIT and Inductor compile times
 # measured on other machines): seconds per first call of a backend, per later shape.
 _FIRST_CALL_S = {"torch-compile": (25.0, 4.0), "normtools-triton": (3.0, 1.0),
-                "normtools-triton-chunks": (3.0, 1.0), "liger": (3.0, 1.0),
+                "normtools-triton-chunks": (3.0, 1.0), "normtools-triton-prefetch": (3.0, 1.0),
+                "liger": (3.0, 1.0),
                 "normtools-torch": (0.5, 0.0), "torch-F": (0.5, 0.0)}
 _LAUNCH_US = 6.0
 _SETUP_GBS = 200.0   # generating the rotated input sets on the device

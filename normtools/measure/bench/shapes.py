@@ -12,8 +12,8 @@ QK_OPS = ("qk_norm_per_head", "qk_norm_per_layer") + QK_ROPE_OPS
 # Sweep order: the ops with performance targets first, so a time budget cuts the others.
 OPS = ("rms_norm", "rms_norm_fwd_bwd", "qk_norm_per_head", "add_rms_norm", "layer_norm",
        "qk_norm_per_layer") + QK_ROPE_OPS
-BACKENDS = ("normtools-triton", "normtools-triton-chunks", "normtools-torch", "torch-F",
-            "torch-compile", "liger")
+BACKENDS = ("normtools-triton", "normtools-triton-chunks", "normtools-triton-prefetch",
+            "normtools-torch", "torch-F", "torch-compile", "liger")
 RMS_EPS, LAYER_EPS = 1e-6, 1e-5
 ROPE_THETA = 10000.0
 
