@@ -22,10 +22,11 @@ mean first. (Its single-reduction form, Welford's (mean, M2, count) merged pairw
 count as a second value to exchange, and compiled for sm_90 at N = 65536 on a cluster of 4
 CTAs it spilled; two reductions do not.)
 
-Layout, chunking, prefetch and determinism follow kernels/rms_norm.py: rows are addressed through their
-row stride; grids are persistent (a program loops over rows_per_program rows and reads w and b
-once, or once per chunk); a row that fits in BLOCK_N columns is read once (SINGLE_PASS), on
-sm_90 rows of up to 131072 values too, each program then a cluster of CTAs (see rms_norm.py).
+Layout, chunking, prefetch and determinism follow kernels/rms_norm.py: rows are addressed
+through their row stride; grids are persistent (a program loops over rows_per_program rows and
+reads w and b once, or once per chunk); a row that fits in BLOCK_N columns is read once
+(SINGLE_PASS), on sm_90 rows of up to 131072 values too, each program then a cluster of CTAs
+(see rms_norm.py).
 A longer row is read in chunks: the forward reads it twice, once for the statistics
 (each chunk's mean and squared deviations, merged into the row's with Chan's formula, as
 accurate as two passes) and once for the output; the backward reads x and dy twice (c1, c2

@@ -9,12 +9,13 @@ program's own float32 partial row; this kernel adds them up and writes the weigh
                                                      of every head's weight row, or w and b),
                                                      i < n_partials: the programs' partials
 
-One launch sums up to two such tensors (A and B: q's and k's weights, or w and b of another
-dtype): the first programs_a programs sum A, the rest B, each BLOCK_N consecutive values of
-its tensor (a launch of one tensor passes it as B too, with no program past programs_a). The launcher sizes BLOCK_N so that the grid fills the GPU (launch_plans.
-partials_plan). The sum and the cast are one launch, with a fixed reduction order: BLOCK_P
-lanes over i in ascending blocks, then a tree over the lanes, so the result depends only on
-n_partials and BLOCK_P, never on timing.
+One launch sums up to two such tensors (A and B: q's and k's weights, or w and b, each in its
+own dtype): the first programs_a programs sum A, the rest B, each BLOCK_N consecutive values
+of its tensor (a launch of one tensor passes it as B too, with no program past programs_a).
+The launcher sizes BLOCK_N so that the grid fills the GPU (launch_plans.partials_plan). The
+sum and the cast are one launch, with a fixed reduction order: BLOCK_P lanes over i in
+ascending blocks, then a tree over the lanes, so the result depends only on n_partials and
+BLOCK_P, never on timing.
 """
 
 import triton

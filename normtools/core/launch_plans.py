@@ -63,8 +63,9 @@ MAX_THREAD_REGISTERS = 255
 
 # The kernels whose single-pass persistent loop over row blocks can prefetch: with
 # num_stages = s, tl.range(..., num_stages=s) loads the next s − 1 blocks with cp.async into
-# shared memory while the current one is reduced (compiled for sm_90 with no spill: bfloat16
-# tiles take 32 KB of shared memory per stage, float32 64 KB). Off by default (num_stages = 1):
+# shared memory while the current one is reduced (compiled for sm_90 with no spill; a tile of
+# 16384 values takes 32 KB of shared memory per stage after the first in bfloat16, 64 KB in
+# float32). Off by default (num_stages = 1):
 # whether it pays is for the GPU run to measure (launch_hooks.prefetching).
 PREFETCH_KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd")
 
