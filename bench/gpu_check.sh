@@ -156,7 +156,7 @@ else
            core/test_kernel_paths core/test_hf_parity_norms core/test_hf_parity_qk \
            measure/test_bytes_counter measure/test_spills measure/test_bench \
            measure/test_model_bench measure/test_parity measure/test_cluster_check \
-           core/test_occupancy; do
+           core/test_occupancy core/test_kernel_hardening; do
     if [ -f "$REPO/tests/$f.py" ]; then TEST_FILES+=("tests/$f.py"); fi
   done
 fi

@@ -4,7 +4,7 @@
   them correctly (launch_plans.CLUSTER_MIN_TRITON), the chunked row of the table otherwise; a
   chunked plan never spans a cluster (its barrier is CTA-scope); a compiled cluster kernel
   must carry the cluster instructions in its PTX. Every launch pins ``enable_fp_fusion`` and
-  ``maxnreg``.
+  ``maxnreg``. On a GPU, the prefetching plan gives the default plan's bits.
 * Casting in ulps for QK-Norm (both scopes) and the fused QK-Norm + RoPE (issue 34): the
   Triton output equals the reference of its own casting convention but on a tiny fraction of
   elements (one ulp away, two for "llama"'s double rounding), and on the elements where the two conventions' references differ it
@@ -119,6 +119,37 @@ def test_cluster_kernel_compiles_with_cluster_instructions():
     assert plan.num_ctas == 2
     y = normtools.rms_norm(x, None, EPS, backend="triton")
     assert (y.double() - rms_norm_f64(x, None, EPS)).abs().max() < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("norm", ["rms_norm", "layer_norm"])
+@pytest.mark.parametrize("dtype, n", [(torch.bfloat16, 4096), (torch.float32, 1024),
+                                      (torch.bfloat16, 32768)])
+def test_prefetching_plan_gives_the_same_bits(norm, dtype, n):
+    """On a GPU, a plan that prefetches (launch_hooks.prefetching(2): cp.async loads of the
+    next row block) changes when rows are loaded, not the arithmetic: outputs and all
+    gradients equal the default plan's bit for bit, over programs of several row blocks (M =
+    4096) and a cluster (N = 32768 on sm_90); the default plan is checked against float64 by
+    the kernel tests."""
+    gen = torch.Generator(device="cuda").manual_seed(n)
+    x = torch.randn(4096, n, device="cuda", dtype=dtype, generator=gen)
+    w = torch.randn(n, device="cuda", dtype=dtype, generator=gen)
+    dy = torch.randn(4096, n, device="cuda", dtype=dtype, generator=gen)
+    args = (w, torch.randn_like(w), 1e-5) if norm == "layer_norm" else (w, 1e-6)
+    op = getattr(normtools, norm)
+
+    def outputs():
+        inputs = [t.detach().requires_grad_() for t in (x, *args[:-1])]
+        y = op(inputs[0], *inputs[1:], args[-1], backend="triton")
+        return (y, *torch.autograd.grad(y, inputs, dy))
+
+    expected = outputs()
+    with launch_hooks.prefetching(2):
+        stages = launcher.plan_for(f"{norm}_fwd", dtype, 4096, n, x.device).num_stages
+        got = outputs()
+    assert stages == 2
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("op", OPS)
