@@ -450,7 +450,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         shares = tuple(dataclasses.replace(share, rows_per_program=share.rows_per_program * unit)
                        for share in share_programs(limit, triton.cdiv(m, unit), tuple(tensors),
                                                    group_heads))
-    prefetches = device_type == "cuda" and n <= block_n and kernel in PREFETCH_KERNELS
+    single_pass = n <= block_n
+    prefetches = device_type == "cuda" and single_pass and kernel in PREFETCH_KERNELS
     return LaunchPlan(block_m, block_n, num_warps, sum(share.programs for share in shares),
-                      shares[0].rows_per_program, n <= block_n, reason, num_ctas, shares,
+                      shares[0].rows_per_program, single_pass, reason, num_ctas, shares,
                       prefetch_stages if prefetches else 1)

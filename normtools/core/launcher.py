@@ -71,26 +71,31 @@ def plan_for(kernel, dtype, m, n, device, tensors=((1, 1),), group_heads=False):
     as its limit (``launch_plan``'s ``resident_limit``), so the grid is one wave. Until the
     first launch of the kernel with that cluster shape has compiled it (or when the query
     failed), the table's grid is kept."""
+    target = cuda_target(device)
+    if target is None:
+        return launch_plan(kernel, dtype, m, n, "cpu", tensors=tensors, group_heads=group_heads)
+    sm_count, capability = target
+    stages = launch_hooks.prefetch_stages()
+    plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
+                       group_heads=group_heads, fixed_rows=launch_hooks.replayed_rows(kernel),
+                       prefetch_stages=stages)
+    if plan.num_ctas > 1 and launch_hooks.cuda_plan_target() is None:
+        resident = _RESIDENT_CLUSTERS.get(
+            (kernel, cuda_index(device), plan.num_ctas, plan.num_warps))
+        if resident is not None and plan.programs > resident:
+            plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
+                               resident_limit=resident, group_heads=group_heads,
+                               prefetch_stages=stages)
+    return plan
+
+
+def cuda_target(device):
+    """(SMs, compute capability) that launches on ``device`` plan for: those of an enclosing
+    ``launch_hooks.planning_for_cuda``, else the CUDA device's; None for CPU plans."""
     target = launch_hooks.cuda_plan_target()
-    if target is not None:
-        sm_count, capability = target
-        return launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
-                           group_heads=group_heads, fixed_rows=launch_hooks.replayed_rows(kernel),
-                           prefetch_stages=launch_hooks.prefetch_stages())
-    if torch.device(device).type == "cuda":
-        sm_count, capability = cuda_sm_count_and_capability(device)
-        stages = launch_hooks.prefetch_stages()
-        plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
-                           group_heads=group_heads, prefetch_stages=stages)
-        if plan.num_ctas > 1:
-            resident = _RESIDENT_CLUSTERS.get(
-                (kernel, cuda_index(device), plan.num_ctas, plan.num_warps))
-            if resident is not None and plan.programs > resident:
-                plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
-                                   resident_limit=resident, group_heads=group_heads,
-                                   prefetch_stages=stages)
-        return plan
-    return launch_plan(kernel, dtype, m, n, "cpu", tensors=tensors, group_heads=group_heads)
+    if target is None and torch.device(device).type == "cuda":
+        target = cuda_sm_count_and_capability(device)
+    return target
 
 
 def cuda_index(device):
@@ -241,9 +246,7 @@ def sum_partials(*gradients):
     if not summed:
         return outs
     device = summed[0][0].device
-    target = launch_hooks.cuda_plan_target()
-    if target is None and device.type == "cuda":
-        target = cuda_sm_count_and_capability(device)
+    target = cuda_target(device)
     plan = launch_plans.partials_plan(
         [out.numel() for _, out in summed], max(p.shape[0] for p, _ in summed),
         "cpu" if target is None else "cuda", None if target is None else target[0])

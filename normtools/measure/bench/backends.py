@@ -1,5 +1,6 @@
 """One callable per (op, backend): normtools, torch.nn.functional, torch.compile, Liger-Kernel."""
 
+import dataclasses
 from functools import partial
 from importlib import import_module, util
 
@@ -81,12 +82,13 @@ def _normtools_ops(backend, head_dim):
     }
 
 
-# normtools-triton-chunks: the same kernels with the launch plan of a GPU without clusters.
-# The ops whose kernels an sm_90 plan can put on a thread-block cluster (a row past one CTA).
-_CLUSTER_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
-                    "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
-                    "layer_norm": ("layer_norm_fwd",), "qk_norm_per_head": ("qk_norm_fwd",),
-                    "qk_norm_per_layer": ("qk_norm_fwd",)}
+# The row kernels each op launches (the forward's; both for rms_norm_fwd_bwd) whose launch plan
+# the plan variants change: normtools-triton-chunks (the launch plan of a GPU without clusters)
+# and normtools-triton-prefetch (the row norms' loops loading ahead).
+_OP_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
+               "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
+               "layer_norm": ("layer_norm_fwd",), "qk_norm_per_head": ("qk_norm_fwd",),
+               "qk_norm_per_layer": ("qk_norm_fwd",)}
 _CHUNKED_CAPABILITY = 80     # an A100's plan: no clusters, long rows read in chunks
 
 
@@ -95,7 +97,7 @@ def clusters_matter(op, shape):
     clusters, so that the chunked plan (``_CHUNKED_CAPABILITY``) launches it differently."""
     rows, n = rows_and_length(op, shape)
     return any(launch_plans.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
-               for kernel in _CLUSTER_KERNELS.get(op, ()))
+               for kernel in _OP_KERNELS.get(op, ()))
 
 
 def on_chunked_plan(fn, sm_count):
@@ -118,20 +120,16 @@ def _cuda_plan_ops(device, head_dim):
 # loading PREFETCH_STAGES − 1 row blocks ahead (launch_hooks.prefetching): the A/B of the
 # prefetch, timed where an sm_90 plan has a single-pass program of more than one row block.
 PREFETCH_STAGES = 2
-_PREFETCH_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
-                     "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
-                     "layer_norm": ("layer_norm_fwd",)}
 
 
 def prefetch_matters(op, shape):
     """True when an sm_90 plan of ``op`` at ``shape`` prefetching PREFETCH_STAGES has a
-    kernel whose programs loop over more than one row block (something to load ahead)."""
-    if op not in _PREFETCH_KERNELS:
-        return False
+    kernel whose programs loop over more than one row block (something to load ahead; only
+    launch_plans.PREFETCH_KERNELS prefetch)."""
     rows, n = rows_and_length(op, shape)
     plans = (launch_plans.launch_plan(kernel, torch.bfloat16, rows, n,
                                       prefetch_stages=PREFETCH_STAGES)
-             for kernel in _PREFETCH_KERNELS[op])
+             for kernel in _OP_KERNELS.get(op, ()))
     return any(plan.num_stages > 1 and plan.rows_per_program > plan.block_m for plan in plans)
 
 
@@ -236,13 +234,33 @@ _NOT_OFFERED = {("liger", f"qk_norm_rope_{scope}"):
                 "kernels, two passes over q and k)" for scope in ("per_head", "per_layer")}
 
 
+@dataclasses.dataclass(frozen=True)
+class _PlanVariant:
+    """A backend that runs normtools-triton on another CUDA launch plan: timed only where
+    ``matters(op, shape)`` (the plan differs), skipped elsewhere for ``lacking``; ``wrap(fn,
+    device)`` runs fn on that plan."""
+
+    matters: object
+    lacking: str
+    wrap: object
+
+
+_PLAN_VARIANTS = {
+    "normtools-triton-chunks": _PlanVariant(
+        clusters_matter, "no thread-block cluster",
+        lambda fn, device: on_chunked_plan(fn, launcher.cuda_sm_count_and_capability(device)[0])),
+    "normtools-triton-prefetch": _PlanVariant(
+        prefetch_matters, "no single-pass program of several row blocks to prefetch",
+        lambda fn, device: on_prefetching_plan(fn)),
+}
+
+
 def backend_fn(op, backend, device, shape):
     """fn(inputs) -> output(s) running ``op`` on ``backend``; raises ``Unavailable``."""
     head_dim = shape.get("D")
     builders = {
         "normtools-triton": lambda: _normtools_ops("triton", head_dim),
-        "normtools-triton-chunks": lambda: _cuda_plan_ops(device, head_dim),
-        "normtools-triton-prefetch": lambda: _cuda_plan_ops(device, head_dim),
+        **{variant: lambda: _cuda_plan_ops(device, head_dim) for variant in _PLAN_VARIANTS},
         "normtools-torch": lambda: _normtools_ops("torch", head_dim),
         "torch-F": lambda: _torch_f_ops(head_dim),
         "torch-compile": lambda: _compiled_reference_ops(head_dim),
@@ -255,21 +273,16 @@ def backend_fn(op, backend, device, shape):
     if forward not in ops:
         raise Unavailable(_NOT_OFFERED.get((backend, forward), f"{backend} has no {op}"))
     if not offered(op, backend, shape):
-        raise Unavailable("no thread-block cluster in the sm_90 plan of this shape: the "
-                          "launch plan of normtools-triton"
-                          if backend == "normtools-triton-chunks" else
-                          "no single-pass program of several row blocks to prefetch in the "
-                          "sm_90 plan of this shape: the launch plan of normtools-triton")
+        raise Unavailable(f"{_PLAN_VARIANTS[backend].lacking} in the sm_90 plan of this "
+                          "shape: the launch plan of normtools-triton")
     if op == "rms_norm_fwd_bwd":
         fn = _with_backward(ops["rms_norm"])
     elif op.endswith("_fwd_bwd"):
         fn = _qk_with_backward(ops[forward])
     else:
         fn = _no_grad(ops[op])
-    if backend == "normtools-triton-chunks":
-        return on_chunked_plan(fn, launcher.cuda_sm_count_and_capability(device)[0])
-    if backend == "normtools-triton-prefetch":
-        return on_prefetching_plan(fn)
+    if backend in _PLAN_VARIANTS:
+        return _PLAN_VARIANTS[backend].wrap(fn, device)
     return fn
 
 
@@ -279,11 +292,7 @@ def offered(op, backend, shape):
     ``clusters_matter``, for normtools-triton-prefetch only where ``prefetch_matters``."""
     if (backend, op.removesuffix("_fwd_bwd")) in _NOT_OFFERED:
         return False
-    if backend == "normtools-triton-chunks":
-        return clusters_matter(op, shape)
-    if backend == "normtools-triton-prefetch":
-        return prefetch_matters(op, shape)
-    return True
+    return backend not in _PLAN_VARIANTS or _PLAN_VARIANTS[backend].matters(op, shape)
 
 
 def default_backends(device):
