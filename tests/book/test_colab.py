@@ -214,7 +214,7 @@ def test_the_setup_cell_installs_normtools_from_a_clone_in_a_fresh_venv(tmp_path
            "GIT_CONFIG_VALUE_0": CONFIG["repository"]["url"]}
     run = ("import nbformat, nbclient; nb = nbformat.read('edition.ipynb', as_version=4); "
            "nbclient.NotebookClient(nb, kernel_name='fresh', timeout=150).execute(); "
-           "print(nb.cells[-1].outputs[0]['text'])")
+           "print(''.join(o['text'] for o in nb.cells[-1].outputs if o.get('name') == 'stdout'))")
     result = subprocess.run([str(python), "-c", run], cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=170)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
