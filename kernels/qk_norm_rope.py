@@ -45,29 +45,33 @@ cos and sin are constants (the rotary embedding is computed without gradient).
 
 Program layout. The heads of a token are worked on BLOCK_H at a time, as one
 (BLOCK_M tokens, BLOCK_H heads, BLOCK_HALF columns) tile per half of the head. A *slot* is what
-one program covers across the tokens: per_head, BLOCK_H consecutive heads (H / BLOCK_H slots
-per tensor); per_layer, the whole row (one slot, its heads in GROUPS = H / BLOCK_H tiles).
-The grid is persistent: program p of a tensor handles slot p % n_slots for the tokens
-[(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M at a time; the q programs
-come first, then the k programs. Each tensor has its own tokens_per_program: the launch plan
-gives q and k programs in proportion to the heads of their slots, so that a k program (Hk
-heads) is not done Hq / Hk times sooner than a q program.
+one program covers across the tokens: per_head, tiles_per_slot consecutive tiles of BLOCK_H
+heads (n_slots = ceil(H / (BLOCK_H · tiles_per_slot)) slots per tensor, the last one may hold
+fewer), worked one tile after another; per_layer, the whole row (one slot, its heads in
+GROUPS = H / BLOCK_H tiles). The grid is persistent: program p of a tensor handles slot
+p % n_slots for the tokens [(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M
+at a time; the q programs come first, then the k programs. Each tensor has its own
+tokens_per_program and tiles_per_slot: the launch plan gives q and k programs in proportion to
+the heads of their slots, so that a k program (Hk heads) is not done Hq / Hk times sooner than
+a q program, and lets a program take several tiles when one tile per slot would leave SMs
+idle (9 slots of 8 heads on 132 SMs: 14 programs per slot, 6 SMs without work).
 
-Traffic. When a slot is one tile (per_head always; per_layer while H · D fits one tile, which
-the launch plan decides) its weights are read once per program and every token's x, cos and
-sin once per slot: with every head of q in one tile, q, k and the tables are each read once
-per token and the outputs written once. A per_layer row longer than a tile is read twice
-(pass 1: the sum of squares over its tiles; pass 2: normalize, rotate and store tile by tile).
+Traffic. When every tile is a whole row (per_head always; per_layer while H · D fits one
+tile, which the launch plan decides) a tile's weights are read once per program and every
+token's x, cos and sin once per tile: with every head of q in one tile, q, k and the tables are
+each read once per token and the outputs written once. A per_layer row longer than a tile is
+read twice (pass 1: the sum of squares over its tiles; pass 2: normalize, rotate and store tile
+by tile).
 The backward reads x and do once per tile in the same cases, and twice for a long per_layer
 row (pass 1: mean(g · x_hat); pass 2: dx and dw).
 
 Weight gradient. Each backward program accumulates dy · x_hat over its tokens in registers
-(BLOCK_H × D float32) and stores one partial once, deterministic and without atomics; the
-launcher sums the partials with kernels/partials.py. A weight shared by all heads (per_head
-(D,)): the partial of program p is DW_PARTIAL[p] (D values, summed over its heads). One
-weight row per head, or per_layer: DW_PARTIAL[g, h, c] for the program of token group g
-(D values per head h, H · D per group). A long per_layer row adds tile by tile into its
-program's own partial row instead (read, add, store), zeroed first.
+(BLOCK_H × D float32 per tile) and stores one partial per tile, deterministic and without
+atomics; the launcher sums the partials with kernels/partials.py. A weight shared by all heads
+(per_head (D,)): the partial of program p is DW_PARTIAL[p] (D values, summed over the heads of
+its tiles). One weight row per head, or per_layer: DW_PARTIAL[g, h, c] for the program of
+token group g (D values per head h, H · D per group). A long per_layer row adds tile by tile
+into its program's own partial row instead (read, add, store), zeroed first.
 
 Addressing. Element (token t, head h, column c) is at t · stride_t + h · D + c; its weight at
 h · w_head_stride + c (w_head_stride = 0 when every head shares the weight, D otherwise); its
@@ -85,6 +89,7 @@ from normtools._kernels.tiles import row_block
 @triton.jit
 def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
                      n_tokens, q_tokens_per_program, k_tokens_per_program, q_slots, k_slots,
+                     q_tiles_per_slot, k_tiles_per_slot,
                      n_q_programs, stride_q, stride_k, stride_qo, stride_ko, stride_cos,
                      stride_sin, qw_head_stride, kw_head_stride, eps, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
@@ -94,26 +99,28 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
                      K_NORM_DTYPE: tl.constexpr, Q_ROPE_DTYPE: tl.constexpr,
                      K_ROPE_DTYPE: tl.constexpr):
     """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first; q_slots /
-    k_slots slots per tensor (see the module docstring). Writes QO, KO and the float32
-    inverse RMS Q_RSTD, K_RSTD laid out (H_rows, n_tokens): H_rows = H per head, 1 per
-    layer."""
+    k_slots slots of q_tiles_per_slot / k_tiles_per_slot tiles per tensor (see the module
+    docstring). Writes QO, KO and the float32 inverse RMS Q_RSTD, K_RSTD laid out
+    (H_rows, n_tokens): H_rows = H per head, 1 per layer."""
     pid = tl.program_id(0)
     if pid < n_q_programs:
         _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, q_tokens_per_program,
-                        q_slots, stride_q, stride_qo, stride_cos, stride_sin, qw_head_stride, eps,
-                        offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF,
-                        ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
+                        q_slots, q_tiles_per_slot, stride_q, stride_qo, stride_cos, stride_sin,
+                        qw_head_stride, eps, offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M,
+                        BLOCK_HQ, BLOCK_HALF, ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
     else:
         _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid - n_q_programs, n_tokens,
-                        k_tokens_per_program, k_slots, stride_k, stride_ko, stride_cos,
-                        stride_sin, kw_head_stride, eps, offset, HEAD_DIM, K_HEADS, PER_LAYER,
-                        BLOCK_M, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE)
+                        k_tokens_per_program, k_slots, k_tiles_per_slot, stride_k, stride_ko,
+                        stride_cos, stride_sin, kw_head_stride, eps, offset, HEAD_DIM, K_HEADS,
+                        PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE,
+                        K_ROPE_DTYPE)
 
 
 @triton.jit
 def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
                      DQW_PARTIAL, DKW_PARTIAL,
                      n_tokens, q_tokens_per_program, k_tokens_per_program, q_slots, k_slots,
+                     q_tiles_per_slot, k_tiles_per_slot,
                      n_q_programs, stride_q, stride_k, stride_dqo, stride_dko, stride_dq,
                      stride_dk, stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
@@ -125,29 +132,30 @@ def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
     pid = tl.program_id(0)
     if pid < n_q_programs:
         _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
-                         q_tokens_per_program, q_slots, stride_q, stride_dqo, stride_dq,
-                         stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM, Q_HEADS,
-                         PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF)
+                         q_tokens_per_program, q_slots, q_tiles_per_slot, stride_q, stride_dqo,
+                         stride_dq, stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM,
+                         Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF)
     else:
         _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs,
-                         n_tokens, k_tokens_per_program, k_slots, stride_k, stride_dko,
-                         stride_dk, stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM,
-                         K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF)
+                         n_tokens, k_tokens_per_program, k_slots, k_tiles_per_slot, stride_k,
+                         stride_dko, stride_dk, stride_cos, stride_sin, kw_head_stride, offset,
+                         HEAD_DIM, K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF)
 
 
 # ----------------------------------------------------------------------------- helpers
 
 @triton.jit
 def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program, n_slots,
-                    stride_x, stride_out, stride_cos, stride_sin, w_head_stride, eps, offset,
-                    HEAD_DIM: tl.constexpr, HEADS: tl.constexpr, PER_LAYER: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                    ROUND_XHAT: tl.constexpr, NORM_DTYPE: tl.constexpr,
-                    ROPE_DTYPE: tl.constexpr):
+                    tiles_per_slot, stride_x, stride_out, stride_cos, stride_sin, w_head_stride,
+                    eps, offset, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+                    PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
+                    BLOCK_HALF: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                    NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr):
     """Normalize and rotate the tokens of one program of one tensor (q or k); store o and
     rstd."""
-    GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H if PER_LAYER else 1
-    SINGLE_PASS: tl.constexpr = GROUPS == 1     # the slot is one tile
+    TILES: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
+    GROUPS: tl.constexpr = TILES if PER_LAYER else 1
+    SINGLE_PASS: tl.constexpr = GROUPS == 1     # every tile is a whole row
     slot = pid % n_slots
     token_start = (pid // n_slots) * tokens_per_program
     token_end = tl.minimum(token_start + tokens_per_program, n_tokens)
@@ -155,30 +163,18 @@ def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program
     half_mask = half < HEAD_DIM // 2
     X_DTYPE: tl.constexpr = X.dtype.element_ty
     if SINGLE_PASS:
-        # The slot is one tile: its weights once per program, each token's tile once.
-        heads = slot * BLOCK_H + tl.arange(0, BLOCK_H)
-        head_mask = heads < HEADS
-        s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
-                               HEAD_DIM)
-        for block_start in range(token_start, token_end, BLOCK_M):
-            tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
-            cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
-                                                  half_mask, stride_cos, stride_sin, HEAD_DIM)
-            x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask,
-                                      stride_x, HEAD_DIM, "evict_first")
-            sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)     # (BLOCK_M, BLOCK_H)
-            if PER_LAYER:
-                rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / (HEADS * HEAD_DIM) + eps)
-                tl.store(RSTD + tokens, rstd, mask=token_mask)
-                rstd3 = rstd[:, None, None]
-            else:
-                rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
-                tl.store(RSTD + heads[None, :].to(tl.int64) * n_tokens + tokens[:, None], rstd,
-                         mask=token_mask[:, None] & head_mask[None, :])
-                rstd3 = rstd[:, :, None]
-            _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT,
-                                    tokens, heads, half, mask, stride_out, HEAD_DIM, ROUND_XHAT,
-                                    X_DTYPE, NORM_DTYPE, ROPE_DTYPE)
+        # The slot's tiles one after another: a tile's weights once per program, each
+        # token's tile once.
+        first_tile = slot * tiles_per_slot
+        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_slot, TILES)):
+            heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            head_mask = heads < HEADS
+            s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride,
+                                   offset, HEAD_DIM)
+            _forward_tile(X, COS, SIN, OUT, RSTD, s1, s2, heads, head_mask, half, half_mask,
+                          token_start, token_end, n_tokens, stride_x, stride_out, stride_cos,
+                          stride_sin, eps, HEAD_DIM, HEADS, PER_LAYER, BLOCK_M, ROUND_XHAT,
+                          X_DTYPE, NORM_DTYPE, ROPE_DTYPE)
     else:
         # A per_layer row longer than a tile: pass 1, the sum of squares over its tiles;
         # pass 2, normalize, rotate and store tile by tile (the tiles again, their weights
@@ -208,6 +204,35 @@ def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program
 
 
 @triton.jit
+def _forward_tile(X, COS, SIN, OUT, RSTD, s1, s2, heads, head_mask, half, half_mask,
+                  token_start, token_end, n_tokens, stride_x, stride_out, stride_cos,
+                  stride_sin, eps, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
+                  PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                  X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr):
+    """One tile of heads that is a whole row, over the tokens [token_start, token_end),
+    BLOCK_M at a time: rstd, stored; o = RoPE(norm(x)), stored."""
+    for block_start in range(token_start, token_end, BLOCK_M):
+        tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
+        cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
+                                              half_mask, stride_cos, stride_sin, HEAD_DIM)
+        x1, x2, mask = _load_tile(X, tokens, token_mask, heads, head_mask, half, half_mask,
+                                  stride_x, HEAD_DIM, "evict_first")
+        sum_sq = tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)     # (BLOCK_M, BLOCK_H)
+        if PER_LAYER:
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=1) / (HEADS * HEAD_DIM) + eps)
+            tl.store(RSTD + tokens, rstd, mask=token_mask)
+            rstd3 = rstd[:, None, None]
+        else:
+            rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)
+            tl.store(RSTD + heads[None, :].to(tl.int64) * n_tokens + tokens[:, None], rstd,
+                     mask=token_mask[:, None] & head_mask[None, :])
+            rstd3 = rstd[:, :, None]
+        _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT,
+                                tokens, heads, half, mask, stride_out, HEAD_DIM, ROUND_XHAT,
+                                X_DTYPE, NORM_DTYPE, ROPE_DTYPE)
+
+
+@triton.jit
 def _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT, tokens, heads,
                             half, mask, stride_out, HEAD_DIM: tl.constexpr,
                             ROUND_XHAT: tl.constexpr, X_DTYPE: tl.constexpr,
@@ -230,13 +255,14 @@ def _normalize_rotate_store(x1, x2, rstd3, s1, s2, cos1, cos2, sin1, sin2, OUT, 
 
 @triton.jit
 def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
-                     tokens_per_program, n_slots, stride_x, stride_do, stride_dx, stride_cos,
-                     stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
+                     tokens_per_program, n_slots, tiles_per_slot, stride_x, stride_do, stride_dx,
+                     stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
                      HEADS: tl.constexpr, PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
     """dx for the tokens of one program of one tensor, and its partial weight gradient."""
-    GROUPS: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H if PER_LAYER else 1
-    SINGLE_PASS: tl.constexpr = GROUPS == 1     # the slot is one tile
+    TILES: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
+    GROUPS: tl.constexpr = TILES if PER_LAYER else 1
+    SINGLE_PASS: tl.constexpr = GROUPS == 1     # every tile is a whole row
     slot = pid % n_slots
     token_group = pid // n_slots
     token_start = token_group * tokens_per_program
@@ -250,46 +276,30 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
     else:
         dw_tile = DW_PARTIAL + token_group.to(tl.int64) * (HEADS * HEAD_DIM)
     if SINGLE_PASS:
-        heads = slot * BLOCK_H + tl.arange(0, BLOCK_H)
-        head_mask = heads < HEADS
-        s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
-                               HEAD_DIM)
-        dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
-        dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
-        for block_start in range(token_start, token_end, BLOCK_M):
-            tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
-            x1, x2, dy1, dy2, mask = _load_x_dy_halves(X, DO, COS, SIN, tokens, token_mask,
-                                                       heads, head_mask, half, half_mask,
-                                                       stride_x, stride_do, stride_cos,
-                                                       stride_sin, HEAD_DIM, "evict_first")
-            g1 = dy1 * s1
-            g2 = dy2 * s2
-            if PER_LAYER:
-                rstd = tl.load(RSTD + tokens, mask=token_mask, other=0.0)[:, None, None]
+        # The slot's tiles one after another; a shared weight's partial sums every head of
+        # them, one row per head is stored tile by tile.
+        dw_shared1 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        dw_shared2 = tl.zeros([BLOCK_HALF], dtype=tl.float32)
+        first_tile = slot * tiles_per_slot
+        for tile in range(first_tile, tl.minimum(first_tile + tiles_per_slot, TILES)):
+            heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+            head_mask = heads < HEADS
+            dw1, dw2 = _backward_tile(X, W, COS, SIN, DO, DX, RSTD, heads, head_mask, half,
+                                      half_mask, token_start, token_end, n_tokens, stride_x,
+                                      stride_do, stride_dx, stride_cos, stride_sin,
+                                      w_head_stride, offset, HEAD_DIM, HEADS, PER_LAYER,
+                                      BLOCK_M, BLOCK_H, BLOCK_HALF)
+            if w_head_stride == 0:
+                dw_shared1 += tl.sum(dw1, axis=0)
+                dw_shared2 += tl.sum(dw2, axis=0)
             else:
-                rstd = tl.load(RSTD + heads[None, :].to(tl.int64) * n_tokens + tokens[:, None],
-                               mask=token_mask[:, None] & head_mask[None, :],
-                               other=0.0)[:, :, None]
-            x_hat1 = x1 * rstd
-            x_hat2 = x2 * rstd
-            # (BLOCK_M, BLOCK_H): Σ g · x_hat over each head
-            sum_g_xhat = tl.sum(g1 * x_hat1, axis=2) + tl.sum(g2 * x_hat2, axis=2)
-            if PER_LAYER:
-                c = (tl.sum(sum_g_xhat, axis=1) / (HEADS * HEAD_DIM))[:, None, None]
-            else:
-                c = (sum_g_xhat / HEAD_DIM)[:, :, None]
-            _dx_store(DX, tokens, heads, half, mask, stride_dx, rstd * (g1 - x_hat1 * c),
-                      rstd * (g2 - x_hat2 * c), HEAD_DIM)
-            dw1 += tl.sum(dy1 * x_hat1, axis=0)
-            dw2 += tl.sum(dy2 * x_hat2, axis=0)
+                dw_mask = head_mask[:, None] & half_mask[None, :]
+                dw_heads = dw_tile + heads[:, None].to(tl.int64) * HEAD_DIM + half[None, :]
+                tl.store(dw_heads, dw1, mask=dw_mask)
+                tl.store(dw_heads + HEAD_DIM // 2, dw2, mask=dw_mask)
         if w_head_stride == 0:   # heads share the weight: one (D,) partial
-            tl.store(dw_tile + half, tl.sum(dw1, axis=0), mask=half_mask)
-            tl.store(dw_tile + HEAD_DIM // 2 + half, tl.sum(dw2, axis=0), mask=half_mask)
-        else:
-            dw_mask = head_mask[:, None] & half_mask[None, :]
-            dw_heads = dw_tile + heads[:, None].to(tl.int64) * HEAD_DIM + half[None, :]
-            tl.store(dw_heads, dw1, mask=dw_mask)
-            tl.store(dw_heads + HEAD_DIM // 2, dw2, mask=dw_mask)
+            tl.store(dw_tile + half, dw_shared1, mask=half_mask)
+            tl.store(dw_tile + HEAD_DIM // 2 + half, dw_shared2, mask=half_mask)
     else:
         # A per_layer row longer than a tile: pass 1, c = mean(g · x_hat) over its tiles;
         # pass 2, dx tile by tile, and dw added into this program's partial row.
@@ -329,6 +339,48 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
                 tl.store(dw_heads + HEAD_DIM // 2,
                          tl.load(dw_heads + HEAD_DIM // 2, mask=dw_mask, other=0.0)
                          + tl.sum(dy2 * x_hat2, axis=0), mask=dw_mask)
+
+
+@triton.jit
+def _backward_tile(X, W, COS, SIN, DO, DX, RSTD, heads, head_mask, half, half_mask,
+                   token_start, token_end, n_tokens, stride_x, stride_do, stride_dx,
+                   stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
+                   HEADS: tl.constexpr, PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """One tile of heads that is a whole row, over the tokens [token_start, token_end),
+    BLOCK_M at a time: dx, stored; returns Σ over the tokens of dy · x_hat, two halves
+    (float32, (BLOCK_H, BLOCK_HALF))."""
+    s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
+                           HEAD_DIM)
+    dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
+    dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
+    for block_start in range(token_start, token_end, BLOCK_M):
+        tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
+        x1, x2, dy1, dy2, mask = _load_x_dy_halves(X, DO, COS, SIN, tokens, token_mask,
+                                                   heads, head_mask, half, half_mask,
+                                                   stride_x, stride_do, stride_cos,
+                                                   stride_sin, HEAD_DIM, "evict_first")
+        g1 = dy1 * s1
+        g2 = dy2 * s2
+        if PER_LAYER:
+            rstd = tl.load(RSTD + tokens, mask=token_mask, other=0.0)[:, None, None]
+        else:
+            rstd = tl.load(RSTD + heads[None, :].to(tl.int64) * n_tokens + tokens[:, None],
+                           mask=token_mask[:, None] & head_mask[None, :],
+                           other=0.0)[:, :, None]
+        x_hat1 = x1 * rstd
+        x_hat2 = x2 * rstd
+        # (BLOCK_M, BLOCK_H): Σ g · x_hat over each head
+        sum_g_xhat = tl.sum(g1 * x_hat1, axis=2) + tl.sum(g2 * x_hat2, axis=2)
+        if PER_LAYER:
+            c = (tl.sum(sum_g_xhat, axis=1) / (HEADS * HEAD_DIM))[:, None, None]
+        else:
+            c = (sum_g_xhat / HEAD_DIM)[:, :, None]
+        _dx_store(DX, tokens, heads, half, mask, stride_dx, rstd * (g1 - x_hat1 * c),
+                  rstd * (g2 - x_hat2 * c), HEAD_DIM)
+        dw1 += tl.sum(dy1 * x_hat1, axis=0)
+        dw2 += tl.sum(dy2 * x_hat2, axis=0)
+    return dw1, dw2
 
 
 @triton.jit

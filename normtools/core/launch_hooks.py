@@ -84,8 +84,9 @@ def cuda_plan_target():
 @contextlib.contextmanager
 def replaying_rows(rows):
     """Within this context, ``plan_for`` gives the kernels named in ``rows`` ({kernel name:
-    ((rows_per_program, heads_per_slot) per tensor, ...)}) those rows per program and heads
-    per slot, with as many programs as the rows need (``launch_plan``'s ``fixed_rows``)."""
+    ((rows_per_program, units_per_slot) per tensor, ...)}) those rows per program and units
+    per slot (``launch_plans.Share``), with as many programs as the rows need
+    (``launch_plan``'s ``fixed_rows``)."""
     token = _REPLAYED_ROWS.set(rows)
     try:
         yield

@@ -238,15 +238,16 @@ CUDA_ROW_CONFIGS = {
 
 @dataclasses.dataclass(frozen=True)
 class Share:
-    """One tensor's programs in a launch: ``slots`` independent row sets (QK-Norm: its head
-    slots, each of ``heads_per_slot`` heads), ``groups`` programs per slot, each over
-    ``rows_per_program`` consecutive rows of its slot (the last program of a slot may get
-    fewer)."""
+    """One tensor's programs in a launch: ``slots`` independent row sets, each of
+    ``units_per_slot`` of the units ``share_programs`` was given (per-head QK-Norm: heads; the
+    fused QK-Norm + RoPE per head: tiles of heads; one for a row op), ``groups`` programs per
+    slot, each over ``rows_per_program`` consecutive rows of its slot (the last program of a
+    slot may get fewer)."""
 
     slots: int
     groups: int
     rows_per_program: int
-    heads_per_slot: int = 1
+    units_per_slot: int = 1
 
     @property
     def programs(self):
@@ -343,30 +344,32 @@ def share_programs(limit, m, tensors, group_heads=False):
     when k has fewer heads (Hq = 32, Hk = 8: about 0.6 of the SM time used). With more slots
     than ``limit``, every slot gets one program.
 
-    ``group_heads``: the slots are heads that a program may take several of, one after
-    another (per-head QK-Norm). Each power of two h of heads per slot (up to every head of
-    the tensor in one slot) is split as above, with ceil(slots_i / h) slots of
-    min(h, slots_i) · work_i; the h whose longest program is shortest wins (times the waves,
-    where one program per slot is already more than ``limit``), ties to the larger h (fewer
-    programs). Few rows: a slot per head, the heads are the parallelism. Many rows: several
-    heads per slot (often every head), so that 72 head slots do not leave 60 of 132 SMs idle.
+    ``group_heads``: the slots are units of heads that a program may take several of, one
+    after another (per-head QK-Norm: a unit is a head; the fused QK-Norm + RoPE per head: a
+    tile of heads). Each power of two h of units per slot (up to every unit of the tensor in
+    one slot) is split as above, with ceil(slots_i / h) slots of min(h, slots_i) · work_i; the
+    h whose longest program is shortest wins (times the waves, where one program per slot is
+    already more than ``limit``), ties to the larger h (fewer programs). Few rows: a slot per
+    unit, the heads are the parallelism. Many rows: several units per slot (often every
+    head), so that 72 head slots do not leave 60 of 132 SMs idle, nor 9 tile slots of 14
+    programs each 6.
 
-    Returns a tuple of Share, one per tensor."""
+    Returns a tuple of Share (``units_per_slot``: h), one per tensor."""
     if group_heads:
-        options, heads = [], 1
+        options, units = [], 1
         while True:
-            grouped = tuple((-(-slots // heads), min(heads, slots) * work)
+            grouped = tuple((-(-slots // units), min(units, slots) * work)
                             for slots, work in tensors)
             shares = share_programs(limit, m, grouped)
             longest = max(work * share.rows_per_program
                           for (_, work), share in zip(grouped, shares))
             waves = -(-sum(share.programs for share in shares) // limit)
-            options.append((longest * waves, -heads, shares))
-            if heads >= max(slots for slots, _ in tensors):
+            options.append((longest * waves, -units, shares))
+            if units >= max(slots for slots, _ in tensors):
                 break
-            heads *= 2
-        _, minus_heads, shares = min(options, key=lambda option: option[:2])
-        return tuple(dataclasses.replace(share, heads_per_slot=-minus_heads) for share in shares)
+            units *= 2
+        _, minus_units, shares = min(options, key=lambda option: option[:2])
+        return tuple(dataclasses.replace(share, units_per_slot=-minus_units) for share in shares)
     m = max(m, 1)
 
     def groups_at(t):
@@ -398,14 +401,14 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     instead gave per-head QK-Norm's 40 slots 160 programs on 132 SMs, 28 of them a second
     wave), shared among ``tensors`` (per tensor: (slots, work of a row of a slot); one
     tensor of one slot for a row op, q's and k's head slots for QK-Norm) by
-    ``share_programs`` (``group_heads``: a program may take several head slots), so that the
-    longest program is as short as the limit allows. A
-    program loops over its ``rows_per_program`` rows, BLOCK_M at a time (the last block
-    masked), so the weight is read once per program, not once per row. On CUDA rows are
+    ``share_programs`` (``group_heads``: a program may take several slots of heads), so that
+    the longest program is as short as the limit allows. A program loops over its
+    ``rows_per_program`` rows, BLOCK_M at a time (the last block masked), so the weight is
+    read once per program, not once per row. On CUDA rows are
     handed out one by one, not in whole BLOCK_M blocks (whole blocks of 8 float32 rows of
     2048 left M = 6592 at 0.89 of the SM time); on CPU in whole blocks.
 
-    ``fixed_rows``: per tensor (rows_per_program, heads_per_slot) to keep instead of
+    ``fixed_rows``: per tensor (rows_per_program, units_per_slot) to keep instead of
     splitting the limit, with ceil(m / rows_per_program) programs per slot (how the bytes
     counter runs a few programs of a real plan: ``launch_hooks.replaying_rows``).
 
@@ -444,8 +447,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     # BLOCK_M blocks (the fewest, fullest programs)
     unit = 1 if device_type == "cuda" else block_m
     if fixed_rows is not None:
-        shares = tuple(Share(triton.cdiv(slots, heads), triton.cdiv(max(m, 1), rows), rows, heads)
-                       for (slots, _), (rows, heads) in zip(tensors, fixed_rows))
+        shares = tuple(Share(triton.cdiv(slots, units), triton.cdiv(max(m, 1), rows), rows, units)
+                       for (slots, _), (rows, units) in zip(tensors, fixed_rows))
     else:
         shares = tuple(dataclasses.replace(share, rows_per_program=share.rows_per_program * unit)
                        for share in share_programs(limit, triton.cdiv(m, unit), tuple(tensors),

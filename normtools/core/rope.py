@@ -164,11 +164,13 @@ def _torch_backward_one(dout2d, x2d, weight, cos2d, sin2d, rstd, row_len, head_d
 # ----------------------------------------------------------------------------- triton backend
 
 def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
-    """(plan, BLOCK_HQ, BLOCK_HK, BLOCK_HALF, q_slots, k_slots) of a launch of ``kernel``
-    ("qk_norm_rope_fwd" / "qk_norm_rope_bwd"): the launch plan for q's row of one token
-    (Hq heads of 2 · BLOCK_HALF columns), its tile of BLOCK_N columns cut into whole heads;
-    per_head a slot is one tile of heads, per_layer the whole row. q and k get programs in
-    proportion to the heads of a slot (``launch_plans.share_programs``: ``plan.shares``)."""
+    """(plan, BLOCK_HQ, BLOCK_HK, BLOCK_HALF) of a launch of ``kernel`` ("qk_norm_rope_fwd" /
+    "qk_norm_rope_bwd"): the launch plan for q's row of one token (Hq heads of 2 · BLOCK_HALF
+    columns), its tile of BLOCK_N columns cut into whole heads; per_head a slot is
+    ``units_per_slot`` tiles of heads (``launch_plans.share_programs``' ``group_heads``: one
+    tile per slot with few tokens, several with many), per_layer the whole row. q and k get
+    programs in proportion to the heads of a slot (``plan.shares``: per tensor its slots,
+    tiles per slot and tokens per program)."""
     block_half = triton.next_power_of_2(head_dim // 2)
     row = hq * 2 * block_half
     block_n = plan_for(kernel, dtype, n_tokens, row, device).block_n
@@ -179,8 +181,9 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     else:
         tensors = ((triton.cdiv(hq, block_hq), min(block_hq, hq)),
                    (triton.cdiv(hk, block_hk), min(block_hk, hk)))
-    plan = plan_for(kernel, dtype, n_tokens, row, device, tensors=tensors)
-    return plan, block_hq, block_hk, block_half, tensors[0][0], tensors[1][0]
+    plan = plan_for(kernel, dtype, n_tokens, row, device, tensors=tensors,
+                    group_heads=not per_layer)
+    return plan, block_hq, block_hk, block_half
 
 
 def _weight_head_stride(weight, head_dim, per_layer):
@@ -204,14 +207,15 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
     k_rstd = torch.empty(k2d.shape[1] // nk, n_tokens, device=device, dtype=torch.float32)
     if n_tokens == 0:
         return qo, ko, q_rstd, k_rstd
-    plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
+    plan, block_hq, block_hk, block_half = launch_shape(
         "qk_norm_rope_fwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
     q_share, k_share = plan.shares
     kernel_for(_k.qk_norm_rope_fwd, device)[(plan.programs,)](
         q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, qo, ko,
         q_rstd, k_rstd, n_tokens=n_tokens, q_tokens_per_program=q_share.rows_per_program,
-        k_tokens_per_program=k_share.rows_per_program, q_slots=q_slots, k_slots=k_slots,
-        n_q_programs=q_share.programs,
+        k_tokens_per_program=k_share.rows_per_program, q_slots=q_share.slots,
+        k_slots=k_share.slots, q_tiles_per_slot=q_share.units_per_slot,
+        k_tiles_per_slot=k_share.units_per_slot, n_q_programs=q_share.programs,
         stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_qo=qo.stride(0),
         stride_ko=ko.stride(0), stride_cos=cos2d.stride(0), stride_sin=sin2d.stride(0),
         qw_head_stride=_weight_head_stride(q_weight, head_dim, per_layer),
@@ -247,21 +251,22 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
     dqo, dko = as_rows(dqo), as_rows(dko)
     dq = torch.empty(q2d.shape, device=device, dtype=q2d.dtype)
     dk = torch.empty(k2d.shape, device=device, dtype=k2d.dtype)
-    plan, block_hq, block_hk, block_half, q_slots, k_slots = launch_shape(
+    plan, block_hq, block_hk, block_half = launch_shape(
         "qk_norm_rope_bwd", n_tokens, hq, hk, head_dim, per_layer, q2d.dtype, device)
     q_share, k_share = plan.shares
     q_groups, k_groups = (q_share.groups, k_share.groups) if n_tokens > 0 else (0, 0)
-    dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_slots * q_groups,
+    dqw_partial = _partial_buffer(q_weight, hq, head_dim, per_layer, q_share.slots * q_groups,
                                   q_groups, device)
-    dkw_partial = _partial_buffer(k_weight, hk, head_dim, per_layer, k_slots * k_groups,
+    dkw_partial = _partial_buffer(k_weight, hk, head_dim, per_layer, k_share.slots * k_groups,
                                   k_groups, device)
     if n_tokens > 0:
         kernel_for(_k.qk_norm_rope_bwd, device)[(plan.programs,)](
             q2d, k2d, q_weight.contiguous(), k_weight.contiguous(), cos2d, sin2d, dqo, dko,
             dq, dk, q_rstd, k_rstd, dqw_partial, dkw_partial,
             n_tokens=n_tokens, q_tokens_per_program=q_share.rows_per_program,
-            k_tokens_per_program=k_share.rows_per_program, q_slots=q_slots,
-            k_slots=k_slots, n_q_programs=q_share.programs,
+            k_tokens_per_program=k_share.rows_per_program, q_slots=q_share.slots,
+            k_slots=k_share.slots, q_tiles_per_slot=q_share.units_per_slot,
+            k_tiles_per_slot=k_share.units_per_slot, n_q_programs=q_share.programs,
             stride_q=q2d.stride(0), stride_k=k2d.stride(0), stride_dqo=dqo.stride(0),
             stride_dko=dko.stride(0), stride_dq=dq.stride(0), stride_dk=dk.stride(0),
             stride_cos=cos2d.stride(0), stride_sin=sin2d.stride(0),

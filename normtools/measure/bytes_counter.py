@@ -191,14 +191,14 @@ def _real_plans(op, shape, dtype, sm_count, capability):
 
 def _simulated_launch(op, shape, dtype, sm_count=launch_plans.DEFAULT_SM_COUNT,
                      capability=launch_plans.DEFAULT_CAPABILITY):
-    """(shape, SMs, rows) a case runs at: rows = {kernel: (rows_per_program, heads_per_slot)
+    """(shape, SMs, rows) a case runs at: rows = {kernel: (rows_per_program, units_per_slot)
     per tensor} of each kernel's real plan, which the simulation replays
     (``launch_hooks.replaying_rows``) at the rows of _SIMULATED_PROGRAMS programs of the
     tensor whose programs hold the most rows (q and k get different rows per program: each of
     the real plan's programs then does exactly its work), on a GPU of as many SMs as the
     simulated programs (x their CTAs: a cluster plan's program spans num_ctas SMs)."""
     plans = _real_plans(op, shape, dtype, sm_count, capability)
-    rows = {kernel: tuple((share.rows_per_program, share.heads_per_slot) for share in plan.shares)
+    rows = {kernel: tuple((share.rows_per_program, share.units_per_slot) for share in plan.shares)
             for kernel, plan in plans.items()}
     key = "T" if "T" in shape else "M"
     longest = max(share.rows_per_program for plan in plans.values() for share in plan.shares)

@@ -20,9 +20,10 @@ on the launch plan of a GPU (``GPUS``: an H200's, an A100's):
                   range of tokens with all the heads of q (or of k) of each, one per cluster
                   slot, split between q and k by ``launch_plans.share_programs`` (a row op
                   on one CTA per program: M / (SMs × ceil(M / SMs))). No grid that keeps a
-                  token's row in one program does better; a launch below it loses SM time to
-                  its layout (the fused QK-Norm + RoPE per head, when q's heads take more
-                  than one tile), one at it only to whole rows.
+                  token's row in one program does better: a launch below it loses SM time to
+                  its layout, one at it only to whole rows, and one above it splits a token's
+                  heads between programs (per-head QK-Norm and the fused QK-Norm + RoPE per
+                  head, whose slots are heads or tiles of heads).
 
 An SM's time is the work it is given divided by ctas (a cluster's CTAs each hold 1/ctas of
 every row): the programs go, in launch order, to the least-loaded of the SMs // ctas cluster

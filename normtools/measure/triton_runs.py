@@ -71,12 +71,14 @@ def launch_of(kernel, op, shape, dtype):
                 qk_launch_shape(kernel, t, hq * d, hk * d, 1, 1, dtype, "cpu")[0])
         return plan, ([hq], [hk])
     if kernel.startswith("qk_norm_rope"):
+        # a slot: units_per_slot tiles of BLOCK_HQ (BLOCK_HK) heads
         plan, block_hq, block_hk = rope_launch_shape(kernel, t, hq, hk, d, False, dtype,
                                                      "cpu")[:3]
-        per_slot = (block_hq, block_hk)
+        per_slot = tuple(block * share.units_per_slot
+                         for block, share in zip((block_hq, block_hk), plan.shares))
     else:
         plan = qk_launch_shape(kernel, t, d, d, hq, hk, dtype, "cpu")[0]
-        per_slot = tuple(share.heads_per_slot for share in plan.shares)
+        per_slot = tuple(share.units_per_slot for share in plan.shares)
     return plan, tuple([min(block, h - s * block) for s in range(share.slots)]
                        for share, h, block in zip(plan.shares, (hq, hk), per_slot))
 

@@ -266,7 +266,7 @@ def test_k_programs_and_head_slots(scope, weights, tokens, expected, monkeypatch
     monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 18)
     nq, nk, heads = (16, 16, (4, 2)) if scope == "per_head" else (64, 32, (1, 1))
     plan = qk_module.launch_shape("qk_norm_fwd", tokens, nq, nk, *heads, torch.float32, "cpu")[0]
-    assert [(s.slots, s.groups, s.rows_per_program, s.heads_per_slot)
+    assert [(s.slots, s.groups, s.rows_per_program, s.units_per_slot)
             for s in plan.shares] == list(expected)
     q, k, gen = _qk_inputs(tokens, 4, 2, 16, seed=3)
     q, k = q.float(), k.float()

@@ -272,8 +272,8 @@ def test_grouped_heads_take_the_best_slot_size(limit):
     for hq, hk in ((32, 8), (64, 8), (40, 8), (4, 2), (128, 16)):
         for m in (1, 3, 64, 1000, 8192):
             shares = launch_plans.share_programs(limit, m, ((hq, 1), (hk, 1)), True)
-            heads = shares[0].heads_per_slot
-            assert shares[1].heads_per_slot == heads
+            heads = shares[0].units_per_slot
+            assert shares[1].units_per_slot == heads
             grouped = tuple((-(-h // heads), min(heads, h)) for h in (hq, hk))
             assert [s.slots for s in shares] == [slots for slots, _ in grouped]
             options = []
@@ -285,5 +285,5 @@ def test_grouped_heads_take_the_best_slot_size(limit):
                 size *= 2
             programs = sum(share.programs for share in shares)
             assert _longest(grouped, shares) * -(-programs // limit) == min(options), (hq, hk, m)
-    assert launch_plans.share_programs(132, 1, ((64, 1), (8, 1)), True)[0].heads_per_slot == 1
-    assert launch_plans.share_programs(132, 8192, ((64, 1), (8, 1)), True)[0].heads_per_slot > 1
+    assert launch_plans.share_programs(132, 1, ((64, 1), (8, 1)), True)[0].units_per_slot == 1
+    assert launch_plans.share_programs(132, 8192, ((64, 1), (8, 1)), True)[0].units_per_slot > 1

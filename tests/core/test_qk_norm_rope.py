@@ -141,8 +141,9 @@ def same_dtype(q, k, qw, kw, cos, sin, eps, head_dim, scope, offset, casting):
 @pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
                                                     (torch.bfloat16, "llama", 0.0),
                                                     (torch.bfloat16, "gemma", 1.0)], ids=str)
-def test_gradients_match_float64(backend, scope, weights, dtype, casting, offset):
-    tokens, hq, hk, d = (3, 4), 4, 2, 16
+def test_gradients_match_float64(backend, scope, weights, dtype, casting, offset, tokens=(3, 4),
+                                 heads=(4, 2)):
+    (hq, hk), d = heads, 16
     q = make_input((*tokens, hq, d), dtype, seed=0)
     k = make_input((*tokens, hk, d), dtype, seed=1, scale=2.0)
     shape = {"shared": lambda h: (d,), "per_head": lambda h: (h, d),
@@ -307,3 +308,34 @@ def test_split_rows_and_unequal_q_k_programs(scope, weights, dtype, casting, off
 
     monkeypatch.setattr(torch, "empty", poisoned)
     test_gradients_match_float64("triton", scope, weights, dtype, casting, offset)
+
+
+@pytest.mark.parametrize("weights", ["shared", "per_head"])
+@pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
+                                                    (torch.bfloat16, "gemma", 1.0)], ids=str)
+def test_programs_that_take_several_tiles(weights, dtype, casting, offset, monkeypatch):
+    """Per head, a program takes the plan's units_per_slot tiles of heads one after another:
+    tiles of one head (D = 16), Hq = 10 and Hk = 5, 8 tokens and 10 programs allowed. The plan
+    puts q in 3 slots of 4 tiles (the last slot holds two) and k in 2 (the last holds one),
+    2 programs of 4 tokens per slot, in both directions; float32 buffers full of NaN, so a
+    head no program covers, or a partial it does not write, cannot pass. Outputs and
+    gradients against float64."""
+    from normtools.core import launch_plans
+    from normtools.core.rope import launch_shape
+    monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64 if dtype == torch.float32 else 32)
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 10)
+    for kernel in ("qk_norm_rope_fwd", "qk_norm_rope_bwd"):
+        plan = launch_shape(kernel, 8, 10, 5, 16, False, dtype, "cpu")[0]
+        assert plan.block_n == 16 and plan.block_m == 1
+        assert [(s.slots, s.units_per_slot, s.groups, s.rows_per_program)
+                for s in plan.shares] == [(3, 4, 2, 4), (2, 4, 2, 4)], kernel
+    empty = torch.empty
+
+    def poisoned(*size, **kwargs):
+        out = empty(*size, **kwargs)
+        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    test_gradients_match_float64("triton", "per_head", weights, dtype, casting, offset,
+                                 tokens=(2, 4), heads=(10, 5))

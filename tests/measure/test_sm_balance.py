@@ -21,7 +21,6 @@ import pytest
 import torch
 
 from normtools.core import launch_hooks
-from normtools.core import rope as rope_launcher
 from normtools.measure import sm_balance as sb
 from normtools.measure.triton_runs import op_inputs, run_on_triton
 
@@ -53,11 +52,13 @@ def _recorded_work(launch, head_dim):
         return max(0, min(per, tokens - group * per))
 
     if name.startswith("qk_norm_rope"):
-        # slot s of a tensor: heads [s · BLOCK_H, (s + 1) · BLOCK_H), all heads per layer
-        tensors = ((kw["q_slots"], kw["BLOCK_HQ"], kw["Q_HEADS"]),
-                   (kw["k_slots"], kw["BLOCK_HK"], kw["K_HEADS"]))
-        heads = [[h if kw["PER_LAYER"] else min(block, h - s * block) for s in range(slots)]
-                 for slots, block, h in tensors]
+        # slot s of a tensor: its tiles [s · tiles_per_slot, (s + 1) · tiles_per_slot) of
+        # BLOCK_H heads each, so heads [s · span, (s + 1) · span), span = tiles_per_slot ·
+        # BLOCK_H; all heads per layer
+        tensors = ((kw["q_slots"], kw["BLOCK_HQ"] * kw["q_tiles_per_slot"], kw["Q_HEADS"]),
+                   (kw["k_slots"], kw["BLOCK_HK"] * kw["k_tiles_per_slot"], kw["K_HEADS"]))
+        heads = [[h if kw["PER_LAYER"] else min(span, h - s * span) for s in range(slots)]
+                 for slots, span, h in tensors]
     else:
         # slot s of a tensor: heads [s · per_slot, (s + 1) · per_slot) of its H_rows; a
         # per-layer row (H_rows = 1) holds N / head_dim heads
@@ -81,24 +82,25 @@ def _recorded_work(launch, head_dim):
     ("qk_norm_per_head", {"T": 64, "Hq": 32, "Hk": 8, "D": 128}),    # few tokens: slots of heads
     ("qk_norm_per_layer", {"T": 8192, "Hq": 48, "Hk": 8, "D": 128}),  # q rows 6x k rows
     ("qk_norm_rope_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),
-    ("qk_norm_rope_per_head_fwd_bwd", {"T": 1472, "Hq": 64, "Hk": 8, "D": 256}),  # 3 slots
+    # the backward's q heads in 8 tiles of 8: a program takes several tiles
+    ("qk_norm_rope_per_head_fwd_bwd", {"T": 1472, "Hq": 64, "Hk": 8, "D": 256}),
 ])
 def test_committed_rows_match_a_recount_of_the_launched_grid(op, shape):
-    """Programs, CTAs, one wave and sm_efficiency of committed H200 rows (bfloat16) against the
-    grid the launcher launches, recounted."""
+    """Programs, CTAs, one wave and sm_efficiency of committed H200 rows (bfloat16) of every
+    main kernel of the op against the grid the launcher launches, recounted."""
     gpu = sb.GPUS["h200"]
     with (launch_hooks.planning_for_cuda(gpu.sm_count, gpu.capability),
           launch_hooks.recording_launches() as launches):
         run_on_triton(op, op_inputs(op, shape, torch.bfloat16))
-    kernel = sb.kernels_of(op)[0]
-    launch = next(x for x in launches if x.kernel.fn.__name__ == kernel)
-    work, ctas = _recorded_work(launch, shape.get("D")), launch.kwargs.get("num_ctas", 1)
-    stored = _committed_row("h200", op, kernel, "bfloat16", shape)
-    assert stored["programs"] == len(work) and stored["ctas"] == ctas
-    assert len(work) * ctas <= gpu.sm_count          # one wave at one CTA per SM
-    assert stored["waves"] == 1
-    recount = sum(work) / (gpu.sm_count * max(work) / ctas)
-    assert stored["sm_efficiency"] == pytest.approx(recount, rel=1e-12)
+    for kernel in sb.kernels_of(op):
+        launch = next(x for x in launches if x.kernel.fn.__name__ == kernel)
+        work, ctas = _recorded_work(launch, shape.get("D")), launch.kwargs.get("num_ctas", 1)
+        stored = _committed_row("h200", op, kernel, "bfloat16", shape)
+        assert stored["programs"] == len(work) and stored["ctas"] == ctas, kernel
+        assert len(work) * ctas <= gpu.sm_count          # one wave at one CTA per SM
+        assert stored["waves"] == 1
+        recount = sum(work) / (gpu.sm_count * max(work) / ctas)
+        assert stored["sm_efficiency"] == pytest.approx(recount, rel=1e-12), kernel
 
 
 def test_committed_tables_equal_a_regeneration_without_compiling():
@@ -183,12 +185,4 @@ def test_committed_launches_meet_the_target_or_their_whole_token_bound(gpu):
     assert (rows["sm_efficiency"] <= rows["token_bound"] + 1e-12).all()
     short = large[large["sm_efficiency"] < sb.TARGET_EFFICIENCY]
     below = short[short["sm_efficiency"] < short["token_bound"] - 1e-12]
-    for row in below.itertuples():
-        # the one layout left below the bound: the fused QK-Norm + RoPE per head, whose q
-        # heads do not fit one tile (a program takes one tile of heads)
-        shape = dict((k, int(v)) for k, v in (part.split("=") for part in row.shape.split()))
-        with launch_hooks.planning_for_cuda(sms, sb.GPUS[gpu].capability):
-            q_slots = rope_launcher.launch_shape(row.kernel, shape["T"], shape["Hq"], shape["Hk"],
-                                                 shape["D"], False, getattr(torch, row.dtype),
-                                                 "cpu")[4]
-        assert row.op.startswith("qk_norm_rope_per_head") and q_slots > 1, row
+    assert below.empty, below[["op", "kernel", "dtype", "shape", "sm_efficiency", "token_bound"]]
