@@ -50,6 +50,11 @@ per_layer rows of up to 131072 values too, a program then a cluster of CTAs: see
 rms_norm.py); longer rows are read in BLOCK_N chunks, twice, and the chunked backward adds
 each block's dw into its partial row.
 
+Prefetch. The forward's single-pass loop over a head's token blocks is ``tl.range(...,
+num_stages=NUM_STAGES)``, as in kernels/rms_norm.py: NUM_STAGES = s > 1 loads the next s − 1
+blocks into shared memory (cp.async) while the current one is reduced; the plans set 1 unless
+asked (launch_plans.PREFETCH_KERNELS, which leaves the backward out: it would spill).
+
 Under the Triton interpreter there is no bf16 arithmetic: values are upcast to float32 right
 after tl.load and cast down only right before tl.store (or to emulate the "llama" rounding).
 """
@@ -67,7 +72,7 @@ def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
                 stride_q, stride_k, stride_qy, stride_ky, eps, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, QW_PER_HEAD: tl.constexpr,
-                KW_PER_HEAD: tl.constexpr, ROUND_XHAT: tl.constexpr):
+                KW_PER_HEAD: tl.constexpr, ROUND_XHAT: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Forward of q and k. Grid: n_q_programs q programs, then the k programs; a program of
     q covers ``q_heads_per_slot`` of q's ``q_heads`` head slots (H_rows) for
     ``q_tokens_per_program`` tokens (k likewise; see the module docstring).
@@ -79,11 +84,11 @@ def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
     if pid < n_q_programs:
         _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, q_tokens_per_program, q_heads,
                         q_heads_per_slot, stride_q, stride_qy, eps, offset, NQ, BLOCK_M,
-                        BLOCK_NQ, QW_PER_HEAD, ROUND_XHAT)
+                        BLOCK_NQ, QW_PER_HEAD, ROUND_XHAT, NUM_STAGES)
     else:
         _forward_tensor(K, KW, KY, K_RSTD, pid - n_q_programs, n_tokens, k_tokens_per_program,
                         k_heads, k_heads_per_slot, stride_k, stride_ky, eps, offset, NK,
-                        BLOCK_M, BLOCK_NK, KW_PER_HEAD, ROUND_XHAT)
+                        BLOCK_M, BLOCK_NK, KW_PER_HEAD, ROUND_XHAT, NUM_STAGES)
 
 
 @triton.jit
@@ -115,7 +120,8 @@ def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW
 def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, tokens_per_program, n_heads, heads_per_slot,
                     stride_x, stride_y, eps, offset,
                     N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    W_PER_HEAD: tl.constexpr, ROUND_XHAT: tl.constexpr):
+                    W_PER_HEAD: tl.constexpr, ROUND_XHAT: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
     """Normalize the rows of one persistent program of one tensor (q or k), head by head of
     its slot; store y and rstd. A weight row is read once per program (a shared one for all
     its heads; per chunk and token block when chunked)."""
@@ -135,7 +141,7 @@ def _forward_tensor(X, W, Y, RSTD, pid, n_tokens, tokens_per_program, n_heads, h
             # whole row in registers: one read, one write
             if W_PER_HEAD:
                 s = load_param(w_row, cols, cols < N, offset, 1.0, True)
-            for block_start in range(token_start, token_end, BLOCK_M):
+            for block_start in tl.range(token_start, token_end, BLOCK_M, num_stages=NUM_STAGES):
                 tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
                 mask = token_mask[:, None] & (cols < N)[None, :]
                 x = tl.load(X + tokens[:, None] * stride_x + head * N + cols[None, :],

@@ -73,6 +73,11 @@ its tiles). One weight row per head, or per_layer: DW_PARTIAL[g, h, c] for the p
 token group g (D values per head h, H · D per group). A long per_layer row adds tile by tile
 into its program's own partial row instead (read, add, store), zeroed first.
 
+Prefetch. The single-pass loop over a tile's token blocks is ``tl.range(..., num_stages=
+NUM_STAGES)``, as in kernels/rms_norm.py: NUM_STAGES = s > 1 loads the next s − 1 blocks into
+shared memory (cp.async) while the current one is worked on; the plans set 1 unless asked
+(launch_plans.PREFETCH_KERNELS), and a per_layer row longer than a tile never prefetches.
+
 Addressing. Element (token t, head h, column c) is at t · stride_t + h · D + c; its weight at
 h · w_head_stride + c (w_head_stride = 0 when every head shares the weight, D otherwise); its
 cos and sin at t · stride_cos + c. Offsets are 64-bit. Under the Triton interpreter there is
@@ -97,7 +102,7 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      ROUND_XHAT: tl.constexpr, Q_NORM_DTYPE: tl.constexpr,
                      K_NORM_DTYPE: tl.constexpr, Q_ROPE_DTYPE: tl.constexpr,
-                     K_ROPE_DTYPE: tl.constexpr):
+                     K_ROPE_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first; q_slots /
     k_slots slots of q_tiles_per_slot / k_tiles_per_slot tiles per tensor (see the module
     docstring). Writes QO, KO and the float32 inverse RMS Q_RSTD, K_RSTD laid out
@@ -107,13 +112,14 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
         _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, q_tokens_per_program,
                         q_slots, q_tiles_per_slot, stride_q, stride_qo, stride_cos, stride_sin,
                         qw_head_stride, eps, offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M,
-                        BLOCK_HQ, BLOCK_HALF, ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE)
+                        BLOCK_HQ, BLOCK_HALF, ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE,
+                        NUM_STAGES)
     else:
         _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid - n_q_programs, n_tokens,
                         k_tokens_per_program, k_slots, k_tiles_per_slot, stride_k, stride_ko,
                         stride_cos, stride_sin, kw_head_stride, eps, offset, HEAD_DIM, K_HEADS,
                         PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE,
-                        K_ROPE_DTYPE)
+                        K_ROPE_DTYPE, NUM_STAGES)
 
 
 @triton.jit
@@ -125,7 +131,8 @@ def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
                      stride_dk, stride_cos, stride_sin, qw_head_stride, kw_head_stride, offset,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
                      PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
-                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     NUM_STAGES: tl.constexpr):
     """Backward of q and k. Same grid as the forward; DQW_PARTIAL / DKW_PARTIAL receive the
     float32 partial weight gradients (layout in the module docstring), summed by the
     launcher."""
@@ -134,12 +141,13 @@ def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
         _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
                          q_tokens_per_program, q_slots, q_tiles_per_slot, stride_q, stride_dqo,
                          stride_dq, stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM,
-                         Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF)
+                         Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF, NUM_STAGES)
     else:
         _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid - n_q_programs,
                          n_tokens, k_tokens_per_program, k_slots, k_tiles_per_slot, stride_k,
                          stride_dko, stride_dk, stride_cos, stride_sin, kw_head_stride, offset,
-                         HEAD_DIM, K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF)
+                         HEAD_DIM, K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF,
+                         NUM_STAGES)
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -150,7 +158,8 @@ def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program
                     eps, offset, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
                     PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr,
                     BLOCK_HALF: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                    NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr):
+                    NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr,
+                    NUM_STAGES: tl.constexpr):
     """Normalize and rotate the tokens of one program of one tensor (q or k); store o and
     rstd."""
     TILES: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
@@ -174,7 +183,7 @@ def _forward_tensor(X, W, COS, SIN, OUT, RSTD, pid, n_tokens, tokens_per_program
             _forward_tile(X, COS, SIN, OUT, RSTD, s1, s2, heads, head_mask, half, half_mask,
                           token_start, token_end, n_tokens, stride_x, stride_out, stride_cos,
                           stride_sin, eps, HEAD_DIM, HEADS, PER_LAYER, BLOCK_M, ROUND_XHAT,
-                          X_DTYPE, NORM_DTYPE, ROPE_DTYPE)
+                          X_DTYPE, NORM_DTYPE, ROPE_DTYPE, NUM_STAGES)
     else:
         # A per_layer row longer than a tile: pass 1, the sum of squares over its tiles;
         # pass 2, normalize, rotate and store tile by tile (the tiles again, their weights
@@ -208,10 +217,11 @@ def _forward_tile(X, COS, SIN, OUT, RSTD, s1, s2, heads, head_mask, half, half_m
                   token_start, token_end, n_tokens, stride_x, stride_out, stride_cos,
                   stride_sin, eps, HEAD_DIM: tl.constexpr, HEADS: tl.constexpr,
                   PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_XHAT: tl.constexpr,
-                  X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr):
+                  X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr,
+                  NUM_STAGES: tl.constexpr):
     """One tile of heads that is a whole row, over the tokens [token_start, token_end),
     BLOCK_M at a time: rstd, stored; o = RoPE(norm(x)), stored."""
-    for block_start in range(token_start, token_end, BLOCK_M):
+    for block_start in tl.range(token_start, token_end, BLOCK_M, num_stages=NUM_STAGES):
         tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
         cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
                                               half_mask, stride_cos, stride_sin, HEAD_DIM)
@@ -258,7 +268,7 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
                      tokens_per_program, n_slots, tiles_per_slot, stride_x, stride_do, stride_dx,
                      stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
                      HEADS: tl.constexpr, PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                     BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NUM_STAGES: tl.constexpr):
     """dx for the tokens of one program of one tensor, and its partial weight gradient."""
     TILES: tl.constexpr = (HEADS + BLOCK_H - 1) // BLOCK_H
     GROUPS: tl.constexpr = TILES if PER_LAYER else 1
@@ -288,7 +298,7 @@ def _backward_tensor(X, W, COS, SIN, DO, DX, RSTD, DW_PARTIAL, pid, n_tokens,
                                       half_mask, token_start, token_end, n_tokens, stride_x,
                                       stride_do, stride_dx, stride_cos, stride_sin,
                                       w_head_stride, offset, HEAD_DIM, HEADS, PER_LAYER,
-                                      BLOCK_M, BLOCK_H, BLOCK_HALF)
+                                      BLOCK_M, BLOCK_H, BLOCK_HALF, NUM_STAGES)
             if w_head_stride == 0:
                 dw_shared1 += tl.sum(dw1, axis=0)
                 dw_shared2 += tl.sum(dw2, axis=0)
@@ -346,7 +356,7 @@ def _backward_tile(X, W, COS, SIN, DO, DX, RSTD, heads, head_mask, half, half_ma
                    token_start, token_end, n_tokens, stride_x, stride_do, stride_dx,
                    stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
                    HEADS: tl.constexpr, PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr,
-                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr):
+                   BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NUM_STAGES: tl.constexpr):
     """One tile of heads that is a whole row, over the tokens [token_start, token_end),
     BLOCK_M at a time: dx, stored; returns Σ over the tokens of dy · x_hat, two halves
     (float32, (BLOCK_H, BLOCK_HALF))."""
@@ -354,7 +364,7 @@ def _backward_tile(X, W, COS, SIN, DO, DX, RSTD, heads, head_mask, half, half_ma
                            HEAD_DIM)
     dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
     dw2 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
-    for block_start in range(token_start, token_end, BLOCK_M):
+    for block_start in tl.range(token_start, token_end, BLOCK_M, num_stages=NUM_STAGES):
         tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
         x1, x2, dy1, dy2, mask = _load_x_dy_halves(X, DO, COS, SIN, tokens, token_mask,
                                                    heads, head_mask, half, half_mask,

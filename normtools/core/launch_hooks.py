@@ -13,8 +13,8 @@ in one thread or task never leaks into another), change what those two do:
   slot) of a kernel from ``rows`` whatever the number of rows, so a few programs of a real
   plan run at a fraction of its rows. Used by the bytes counter, which counts a launch's
   bytes on a few of its programs.
-* ``prefetching(stages)``: the row norms' CUDA plans load rows ahead in their persistent
-  loops (``tl.range(..., num_stages)``). Used by the benchmark's normtools-triton-prefetch
+* ``prefetching(stages)``: the CUDA plans of the single-pass kernels (row norms, QK-Norm,
+  QK-Norm + RoPE) load rows ahead in their persistent loops (``tl.range(..., num_stages)``). Used by the benchmark's normtools-triton-prefetch
   backend and the spill report (each stage count compiled).
 * ``recording_launches()``: kernel_for records each launch (kernel, grid, arguments) instead
   of running it. Used by ``normtools.measure.spills``, which compiles the recorded launches
@@ -45,9 +45,10 @@ _PREFETCH_STAGES = contextvars.ContextVar("normtools_prefetch_stages", default=1
 
 @contextlib.contextmanager
 def prefetching(stages):
-    """Within this context, CUDA plans of the row norms' single-pass kernels load their rows
-    ``stages`` − 1 iterations ahead (``LaunchPlan.num_stages``, launch_plans.PREFETCH_KERNELS):
-    how the GPU run times the prefetch against the default plan (no prefetch)."""
+    """Within this context, CUDA plans of the single-pass kernels (row norms, QK-Norm, QK-Norm
+    + RoPE) load their rows ``stages`` − 1 iterations ahead (``LaunchPlan.num_stages``,
+    launch_plans.PREFETCH_KERNELS): how the GPU run times the prefetch against the default plan
+    (no prefetch)."""
     if stages < 1:
         raise ValueError(f"prefetch stages must be at least 1, got {stages}")
     token = _PREFETCH_STAGES.set(stages)

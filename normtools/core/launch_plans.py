@@ -61,13 +61,16 @@ TRITON_VERSION = tuple(int(part) for part in triton.__version__.split(".")[:2])
 SM_REGISTERS = 65536
 MAX_THREAD_REGISTERS = 255
 
-# The kernels whose single-pass persistent loop over row blocks can prefetch: with
+# The kernels whose single-pass persistent loop over row (token) blocks can prefetch: with
 # num_stages = s, tl.range(..., num_stages=s) loads the next s − 1 blocks with cp.async into
 # shared memory while the current one is reduced (compiled for sm_90 with no spill; a tile of
 # 16384 values takes 32 KB of shared memory per stage after the first in bfloat16, 64 KB in
 # float32). Off by default (num_stages = 1):
-# whether it pays is for the GPU run to measure (launch_hooks.prefetching).
-PREFETCH_KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd")
+# whether it pays is for the GPU run to measure (launch_hooks.prefetching). Not QK-Norm's
+# backward: with a second stage its per-head float32 tile (32 tokens of a head of 256) spills
+# 32 B at sm_90, and the GPU run times no QK-Norm backward to A/B it.
+PREFETCH_KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
+                    "qk_norm_fwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
 
 KERNELS = ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd",
            "qk_norm_fwd", "qk_norm_bwd", "qk_norm_rope_fwd", "qk_norm_rope_bwd")
@@ -413,7 +416,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     counter runs a few programs of a real plan: ``launch_hooks.replaying_rows``).
 
     ``prefetch_stages`` (CUDA only): ``num_stages`` of a single-pass plan of a kernel of
-    PREFETCH_KERNELS (every other plan: 1).
+    PREFETCH_KERNELS, or of the fused QK-Norm + RoPE per head, whose tiles are whole heads
+    (every other plan: 1).
 
     ``resident_limit`` (CUDA only): the programs the GPU holds at once, when known, replacing
     the computed limit: limit = max(1, ``resident_limit``). A cluster of 4 or more CTAs must
@@ -454,7 +458,10 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
                        for share in share_programs(limit, triton.cdiv(m, unit), tuple(tensors),
                                                    group_heads))
     single_pass = n <= block_n
-    prefetches = device_type == "cuda" and single_pass and kernel in PREFETCH_KERNELS
+    # the fused QK-Norm + RoPE per head (group_heads) cuts q's row into tiles of whole heads:
+    # its loop over a tile's tokens is single-pass even when the row spans several tiles
+    whole_tiles = single_pass or (group_heads and kernel.startswith("qk_norm_rope"))
+    prefetches = device_type == "cuda" and whole_tiles and kernel in PREFETCH_KERNELS
     return LaunchPlan(block_m, block_n, num_warps, sum(share.programs for share in shares),
                       shares[0].rows_per_program, single_pass, reason, num_ctas, shares,
                       prefetch_stages if prefetches else 1)

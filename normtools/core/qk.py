@@ -226,7 +226,8 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
         stride_ky=ky.stride(0), eps=eps, offset=offset,
         NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
         QW_PER_HEAD=q_weight.dim() == 2, KW_PER_HEAD=k_weight.dim() == 2,
-        ROUND_XHAT=casting == "llama", num_warps=plan.num_warps, num_ctas=plan.num_ctas)
+        ROUND_XHAT=casting == "llama", NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
+        num_ctas=plan.num_ctas)
     return qy, ky, q_rstd, k_rstd
 
 

@@ -225,7 +225,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
         BLOCK_HK=block_hk, BLOCK_HALF=block_half, ROUND_XHAT=casting == "llama",
         Q_NORM_DTYPE=_TL_DTYPES[q_norm_dtype], K_NORM_DTYPE=_TL_DTYPES[k_norm_dtype],
         Q_ROPE_DTYPE=_TL_DTYPES[q_rope_dtype], K_ROPE_DTYPE=_TL_DTYPES[k_rope_dtype],
-        num_warps=plan.num_warps)
+        NUM_STAGES=plan.num_stages, num_warps=plan.num_warps)
     return qo, ko, q_rstd, k_rstd
 
 
@@ -274,7 +274,8 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
             kw_head_stride=_weight_head_stride(k_weight, head_dim, per_layer), offset=offset,
             HEAD_DIM=head_dim, Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, BLOCK_M=plan.block_m,
             BLOCK_HQ=block_hq,
-            BLOCK_HK=block_hk, BLOCK_HALF=block_half, num_warps=plan.num_warps)
+            BLOCK_HK=block_hk, BLOCK_HALF=block_half, NUM_STAGES=plan.num_stages,
+            num_warps=plan.num_warps)
     return (dq, dk, *weight_grads_from_partials(dqw_partial, q_weight, dkw_partial, k_weight))
 
 

@@ -152,6 +152,63 @@ def test_prefetching_plan_gives_the_same_bits(norm, dtype, n):
         assert torch.equal(a, b)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["qk_norm", "qk_norm_rope"])
+@pytest.mark.parametrize("scope, hq, head_dim", [("per_head", 32, 128), ("per_head", 64, 256),
+                                                 ("per_layer", 32, 128)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prefetching_qk_plan_gives_the_same_bits(fused, scope, hq, head_dim, dtype):
+    """As above for QK-Norm and the fused QK-Norm + RoPE (4096 tokens, 8 k heads; 64 q heads
+    of 256 put the fused backward's q row in several tiles): outputs and all gradients of the
+    prefetching plan equal the default plan's bit for bit, and its launches prefetch (all but
+    QK-Norm's backward, which launch_plans.PREFETCH_KERNELS leaves out)."""
+    from normtools.core import rope as rope_module
+
+    tokens, hk = 4096, 8
+    gen = torch.Generator(device="cuda").manual_seed(hq * head_dim)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", dtype=dtype, generator=gen)
+
+    q, k = randn(tokens, hq * head_dim), randn(tokens, hk * head_dim)
+    rows = (head_dim, head_dim) if scope == "per_head" else (hq * head_dim, hk * head_dim)
+    weights = [1 + 0.1 * randn(n) for n in rows]
+    dq, dk = randn(*q.shape), randn(*k.shape)
+    if fused:
+        angles = torch.rand(tokens, head_dim // 2, device="cuda", generator=gen) * 100
+        emb = torch.cat((angles, angles), -1)
+        tables = (emb.cos().to(dtype), emb.sin().to(dtype))
+
+        def forward(*tensors):
+            return normtools.qk_norm_rope(*tensors, *tables, head_dim=head_dim, scope=scope,
+                                          backend="triton")
+
+        def stages(kernel):
+            return rope_module.launch_shape(kernel, tokens, hq, hk, head_dim,
+                                            scope == "per_layer", dtype, q.device)[0].num_stages
+    else:
+        def forward(*tensors):
+            return normtools.qk_norm(*tensors, head_dim=head_dim, scope=scope, backend="triton")
+
+        def stages(kernel):
+            heads = (hq, hk) if scope == "per_head" else (1, 1)
+            return qk_module.launch_shape(kernel, tokens, *rows, *heads, dtype,
+                                          q.device)[0].num_stages
+
+    def outputs():
+        inputs = [t.detach().requires_grad_() for t in (q, k, *weights)]
+        outs = forward(*inputs)
+        return (*outs, *torch.autograd.grad(outs, inputs, (dq, dk)))
+
+    expected = outputs()
+    family = "qk_norm_rope" if fused else "qk_norm"
+    with launch_hooks.prefetching(2):
+        assert [stages(f"{family}_{d}") for d in ("fwd", "bwd")] == [2, 2 if fused else 1]
+        got = outputs()
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_every_launch_pins_fp_fusion_and_registers(op):
     """Every launch of every op, forward and backward, passes enable_fp_fusion=True and lets

@@ -190,7 +190,7 @@ def test_qk_norm_offsets_are_64_bit():
             n_tokens, 2, 2, heads, 1, 1, 1, heads,
             q.stride(0), k.stride(0), q.stride(0), k.stride(0), 1e-6, 0.0,
             NQ=d, NK=d, BLOCK_M=2, BLOCK_NQ=d, BLOCK_NK=d, QW_PER_HEAD=False, KW_PER_HEAD=False,
-            ROUND_XHAT=True)
+            ROUND_XHAT=True, NUM_STAGES=1)
     rstd_stores = [a.addresses for a in trace if a.kind == "store" and a.itemsize == 4
                    and a.addresses.size == 2]
     offsets = sorted(int(o) for a in rstd_stores for o in (a - rstd.data_ptr()) // 4)

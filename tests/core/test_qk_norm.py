@@ -206,7 +206,8 @@ def compile_kernels_for_sm90():
         pointers = {name: f"*{dtype}" for name in ("Q", "K", "QW", "KW", "QY", "KY", "DQY", "DKY",
                                                   "DQ", "DK")}
         pointers |= {name: "*fp32" for name in ("Q_RSTD", "K_RSTD", "DQW_PARTIAL", "DKW_PARTIAL")}
-        for kernel, constexprs in ((_k.qk_norm_fwd, sizes | {"ROUND_XHAT": True}),
+        for kernel, constexprs in ((_k.qk_norm_fwd, sizes | {"ROUND_XHAT": True,
+                                                              "NUM_STAGES": plan.num_stages}),
                                    (_k.qk_norm_bwd, sizes)):
             assert "cubin" in _compile_for_sm90(kernel, pointers, constexprs, num_warps).asm
 

@@ -359,39 +359,57 @@ def test_chunked_plan_backend_reads_long_rows_twice():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_prefetch_backend_prefetches_every_row_norm_launch():
-    """normtools-triton-prefetch's wrapper: on the sm_90 plan every single-pass row-norm
-    launch of the call, backward included, gets NUM_STAGES = 2 (1 without the wrapper, and for
-    the weight-gradient sum), and the results are those of the default plan (the interpreter
-    runs the loop the same way)."""
+@pytest.mark.parametrize("op, shape, kernels", [
+    ("rms_norm_fwd_bwd", {"M": 64, "N": 512}, ("rms_norm_fwd", "rms_norm_bwd", "sum_partials")),
+    ("qk_norm_per_head", {"T": 64, "Hq": 4, "Hk": 2, "D": 64}, ("qk_norm_fwd",)),
+    # q's row is two tiles of the backward's plan: a program's tiles are whole heads
+    ("qk_norm_rope_per_head_fwd_bwd", {"T": 64, "Hq": 64, "Hk": 8, "D": 256},
+     ("qk_norm_rope_fwd", "qk_norm_rope_bwd", "sum_partials")),
+])
+def test_prefetch_backend_prefetches_every_single_pass_launch(op, shape, kernels):
+    """normtools-triton-prefetch's wrapper: on the sm_90 plan every single-pass launch of the
+    call (row norms, QK-Norm, the fused QK-Norm + RoPE), backward included, gets
+    NUM_STAGES = 2 (1 without the wrapper, and for the weight-gradient sum), and the results
+    (the gradients for *_fwd_bwd) are those of the default plan (the interpreter runs the loop
+    the same way)."""
     from normtools.core import launch_hooks
     from normtools.measure.bench import backends
 
-    shape = {"M": 4096, "N": 4096}
-    assert backends.prefetch_matters("rms_norm_fwd_bwd", shape)
-    assert not backends.prefetch_matters("rms_norm_fwd_bwd", {"M": 64, "N": 4096})  # a block
-    assert not backends.prefetch_matters("qk_norm_per_head", {"T": 4096, "Hq": 8, "Hk": 2,
-                                                              "D": 128})
-    t = bench.make_inputs("rms_norm_fwd_bwd", {"M": 64, "N": 512}, torch.float32, "cpu")
-
-    def fwd_bwd(inputs):
-        y = normtools.rms_norm(inputs["x"], inputs["w"], 1e-6, backend="triton")
-        return torch.autograd.grad(y, (inputs["x"], inputs["w"]), inputs["dy"])
-
+    t = bench.make_inputs(op, shape, torch.float32, "cpu")
+    fn = backends.backend_fn(op, "normtools-triton", "cpu", shape)
     stages = {}
     for wrap in (lambda fn: fn, backends.on_prefetching_plan):
         with launch_hooks.planning_for_cuda(), launch_hooks.recording_launches() as launches:
-            wrap(fwd_bwd)(t)
+            wrap(fn)(t)
         stages[wrap] = {launch.kernel.fn.__name__: launch.kwargs.get("NUM_STAGES")
                         for launch in launches}
     plain, prefetching = stages.values()
-    assert plain == {"rms_norm_fwd": 1, "rms_norm_bwd": 1, "sum_partials": None}
-    assert prefetching == {"rms_norm_fwd": 2, "rms_norm_bwd": 2, "sum_partials": None}
+    for got_stages, want in ((plain, 1), (prefetching, 2)):
+        assert got_stages == {k: None if k == "sum_partials" else want for k in kernels}
     with launch_hooks.planning_for_cuda():
-        expected = fwd_bwd(t)
-        got = backends.on_prefetching_plan(fwd_bwd)(t)
+        expected = fn(t)
+        got = backends.on_prefetching_plan(fn)(t)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+def test_prefetch_matters_where_a_program_has_several_row_blocks():
+    """The prefetch backend is timed where an sm_90 program loops over more than one row
+    block: many rows or tokens, not one block's worth, nor a per_layer fused row longer than
+    a tile (read in two passes, it never prefetches)."""
+    from normtools.measure.bench import backends
+
+    assert backends.prefetch_matters("rms_norm_fwd_bwd", {"M": 4096, "N": 4096})
+    assert not backends.prefetch_matters("rms_norm_fwd_bwd", {"M": 64, "N": 4096})  # a block
+    qk = {"T": 4096, "Hq": 8, "Hk": 2, "D": 128}
+    assert backends.prefetch_matters("qk_norm_per_head", qk)
+    assert backends.prefetch_matters("qk_norm_rope_per_head", qk)
+    assert not backends.prefetch_matters("qk_norm_rope_per_head", dict(qk, T=64))
+    # q's row past the forward's and the backward's tiles: per head whole heads, per layer
+    # two passes
+    long_row = {"T": 4096, "Hq": 128, "Hk": 8, "D": 256}
+    assert backends.prefetch_matters("qk_norm_rope_per_head_fwd_bwd", long_row)
+    assert not backends.prefetch_matters("qk_norm_rope_per_layer_fwd_bwd", long_row)
 
 
 def test_estimate_leaves_out_rows_a_backend_skips():

@@ -28,6 +28,8 @@ import pytest
 
 pytest.importorskip("triton.backends.nvidia")
 
+COMMITTED = Path(__file__).resolve().parents[2] / "book" / "data" / "kernels" / "spills.csv"
+
 SCRIPT = r"""
 import json, sys, torch, triton, triton.language as tl
 from normtools.measure import spills
@@ -54,12 +56,16 @@ table = [table, spills.spill_table(ops=("rms_norm_fwd_bwd",), dtypes=(torch.bflo
          spills.spill_table(ops=("qk_norm_rope_per_layer_fwd_bwd",), dtypes=(torch.float16,),
                             ns=(16384,), archs=(90,))]
 out["rows"] = [row for t in table for row in t.to_dict("records")]
-# the prefetch: cp.async loads in the forward's loop when it prefetches, none by default
+# the prefetch: cp.async loads in the forwards' loops when they prefetch, none by default
+# (QK-Norm and QK-Norm + RoPE per head, head_dim 128)
 out["cp_async"] = {
-    stages: [spills.compiled_ptx(launch, 90).count("cp.async")
-             for launch in spills.record_launches("rms_norm_fwd_bwd", torch.bfloat16, 4096,
-                                                  m=4096, stages=stages)
-             if launch.kernel.fn.__name__ == "rms_norm_fwd"]
+    stages: {kernel: [spills.compiled_ptx(launch, 90).count("cp.async")
+                      for launch in spills.record_launches(op, torch.bfloat16, n, m=4096,
+                                                           stages=stages)
+                      if launch.kernel.fn.__name__ == kernel]
+             for op, kernel, n in (("rms_norm_fwd_bwd", "rms_norm_fwd", 4096),
+                                   ("qk_norm_per_head", "qk_norm_fwd", 128),
+                                   ("qk_norm_rope_per_head", "qk_norm_rope_fwd", 128))}
     for stages in (1, 2)}
 print(json.dumps(out))
 """
@@ -127,15 +133,25 @@ def test_cluster_reductions_exchange_once_per_value(report):
 
 
 def test_prefetch_compiles_to_async_copies(report):
-    """A prefetching plan's loop loads ahead with cp.async, the default plan's does not; at
-    sm_90 the table has the row norms' kernels compiled both ways (none spills: above)."""
-    assert report["cp_async"]["1"] == [0]
-    assert report["cp_async"]["2"][0] > 0
+    """A prefetching plan's loop loads ahead with cp.async, the default plan's does not (the
+    RMSNorm, QK-Norm and QK-Norm + RoPE forwards); at sm_90 the report has the row norms'
+    kernels compiled both ways (none spills: above), and the committed table every kernel
+    of launch_plans.PREFETCH_KERNELS, with no stage-2 row below sm_90."""
+    from normtools.core import launch_plans
+
+    for kernel, counts in report["cp_async"]["1"].items():
+        assert counts == [0], kernel
+    for kernel, counts in report["cp_async"]["2"].items():
+        assert len(counts) == 1 and counts[0] > 0, kernel
     prefetching = {(r["kernel"], r["N"]) for r in report["rows"]
                    if r["cc"] == 90 and "stages=2" in r["config"]}
     for kernel in ("rms_norm_fwd", "rms_norm_bwd", "layer_norm_fwd", "layer_norm_bwd"):
         assert {(kernel, 16384), (kernel, 131072)} <= prefetching
     assert not [r for r in report["rows"] if r["cc"] < 90 and "stages=" in r["config"]]
+    committed = pd.read_csv(COMMITTED)
+    staged = committed[committed["config"].str.contains("stages=2")]
+    assert set(staged["kernel"]) == set(launch_plans.PREFETCH_KERNELS)
+    assert (staged["cc"] == 90).all()
 
 
 def test_compiles_for_sm80_and_sm75(report):
@@ -150,8 +166,7 @@ def test_compiles_for_sm80_and_sm75(report):
 def test_committed_table_matches_the_compiles(report):
     """The table chapter 4b shows (python -m normtools.measure.spills --csv ...) has every
     configuration compiled here with the same registers and spill bytes."""
-    committed = pd.read_csv(Path(__file__).resolve().parents[2] / "book" / "data" / "kernels"
-                            / "spills.csv")
+    committed = pd.read_csv(COMMITTED)
     key = ["op", "dtype", "N", "kernel", "config", "cc"]
     compiled = pd.DataFrame(report["rows"])
     merged = compiled.merge(committed, on=key, how="left", suffixes=("", "_committed"))

@@ -14,9 +14,10 @@ Backends (``BACKENDS``):
 * "normtools-triton-chunks": normtools-triton on the launch plan of a GPU without thread-block
   clusters (sm_80), timed only where an sm_90 plan uses clusters (rows past one CTA): the
   same kernels reading a long row in chunks, twice, the A/B of the cluster plan;
-* "normtools-triton-prefetch": normtools-triton with the row norms' single-pass loops loading
-  the next row block ahead (``launch_hooks.prefetching``, cp.async into shared memory), timed
-  only where an sm_90 program loops over several row blocks: the A/B of the prefetch;
+* "normtools-triton-prefetch": normtools-triton with the single-pass loops (row norms, QK-Norm,
+  QK-Norm + RoPE) loading the next row block ahead (``launch_hooks.prefetching``, cp.async into
+  shared memory), timed only where an sm_90 program loops over several row blocks: the A/B of
+  the prefetch;
 * "torch-F": ``torch.nn.functional.rms_norm`` / ``layer_norm`` (the add as ``x + residual``,
   QK-Norm as one call on q and one on k, viewed per head for per_head);
 * "torch-compile": ``torch.compile`` of the same composition written with

@@ -7,6 +7,7 @@ from importlib import import_module, util
 import torch
 
 from normtools.core import launch_hooks, launch_plans, launcher
+from normtools.measure import triton_runs
 from normtools.measure.bench.shapes import (BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS,
                                           rows_and_length)
 
@@ -83,8 +84,7 @@ def _normtools_ops(backend, head_dim):
 
 
 # The row kernels each op launches (the forward's; both for rms_norm_fwd_bwd) whose launch plan
-# the plan variants change: normtools-triton-chunks (the launch plan of a GPU without clusters)
-# and normtools-triton-prefetch (the row norms' loops loading ahead).
+# normtools-triton-chunks changes (the launch plan of a GPU without clusters).
 _OP_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
                "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
                "layer_norm": ("layer_norm_fwd",), "qk_norm_per_head": ("qk_norm_fwd",),
@@ -116,21 +116,22 @@ def _cuda_plan_ops(device, head_dim):
     return _normtools_ops("triton", head_dim)
 
 
-# normtools-triton-prefetch: the same kernels and plan, the row norms' single-pass loops
-# loading PREFETCH_STAGES − 1 row blocks ahead (launch_hooks.prefetching): the A/B of the
+# normtools-triton-prefetch: the same kernels and plan, the single-pass loops over row (token)
+# blocks loading PREFETCH_STAGES − 1 blocks ahead (launch_hooks.prefetching): the A/B of the
 # prefetch, timed where an sm_90 plan has a single-pass program of more than one row block.
 PREFETCH_STAGES = 2
 
 
 def prefetch_matters(op, shape):
-    """True when an sm_90 plan of ``op`` at ``shape`` prefetching PREFETCH_STAGES has a
-    kernel whose programs loop over more than one row block (something to load ahead; only
+    """True when the H200 plan of a main kernel of ``op`` at ``shape``
+    (``triton_runs.launch_of``, as its launcher plans it), prefetching PREFETCH_STAGES, has a
+    tensor whose programs loop over more than one row block (something to load ahead; only
     launch_plans.PREFETCH_KERNELS prefetch)."""
-    rows, n = rows_and_length(op, shape)
-    plans = (launch_plans.launch_plan(kernel, torch.bfloat16, rows, n,
-                                      prefetch_stages=PREFETCH_STAGES)
-             for kernel in _OP_KERNELS.get(op, ()))
-    return any(plan.num_stages > 1 and plan.rows_per_program > plan.block_m for plan in plans)
+    with launch_hooks.planning_for_cuda(), launch_hooks.prefetching(PREFETCH_STAGES):
+        plans = [triton_runs.launch_of(kernel, op, shape, torch.bfloat16)[0]
+                 for kernel in triton_runs.kernels_of(op)]
+    return any(plan.num_stages > 1 and share.rows_per_program > plan.block_m
+               for plan in plans for share in plan.shares)
 
 
 def on_prefetching_plan(fn, stages=PREFETCH_STAGES):
