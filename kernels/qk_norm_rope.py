@@ -219,8 +219,9 @@ def _forward_tile(X, COS, SIN, OUT, RSTD, s1, s2, heads, head_mask, half, half_m
                   PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, ROUND_XHAT: tl.constexpr,
                   X_DTYPE: tl.constexpr, NORM_DTYPE: tl.constexpr, ROPE_DTYPE: tl.constexpr,
                   NUM_STAGES: tl.constexpr):
-    """One tile of heads that is a whole row, over the tokens [token_start, token_end),
-    BLOCK_M at a time: rstd, stored; o = RoPE(norm(x)), stored."""
+    """One tile of heads that holds its rows whole (per_head: each head a row; per_layer: the
+    tile is the row), over the tokens [token_start, token_end), BLOCK_M at a time: rstd,
+    stored; o = RoPE(norm(x)), stored."""
     for block_start in tl.range(token_start, token_end, BLOCK_M, num_stages=NUM_STAGES):
         tokens, token_mask = row_block(block_start, token_end, BLOCK_M)
         cos1, cos2, sin1, sin2 = _load_tables(COS, SIN, tokens, token_mask, half,
@@ -357,9 +358,9 @@ def _backward_tile(X, W, COS, SIN, DO, DX, RSTD, heads, head_mask, half, half_ma
                    stride_cos, stride_sin, w_head_stride, offset, HEAD_DIM: tl.constexpr,
                    HEADS: tl.constexpr, PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_H: tl.constexpr, BLOCK_HALF: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """One tile of heads that is a whole row, over the tokens [token_start, token_end),
-    BLOCK_M at a time: dx, stored; returns Σ over the tokens of dy · x_hat, two halves
-    (float32, (BLOCK_H, BLOCK_HALF))."""
+    """One tile of heads that holds its rows whole (as in _forward_tile), over the tokens
+    [token_start, token_end), BLOCK_M at a time: dx, stored; returns Σ over the tokens of
+    dy · x_hat, two halves (float32, (BLOCK_H, BLOCK_HALF))."""
     s1, s2 = _scale_halves(W, heads, head_mask, half, half_mask, w_head_stride, offset,
                            HEAD_DIM)
     dw1 = tl.zeros([BLOCK_H, BLOCK_HALF], dtype=tl.float32)
