@@ -363,7 +363,7 @@ def test_chunked_plan_backend_reads_long_rows_twice():
     ("rms_norm_fwd_bwd", {"M": 64, "N": 512}, ("rms_norm_fwd", "rms_norm_bwd", "sum_partials")),
     ("qk_norm_per_head", {"T": 64, "Hq": 4, "Hk": 2, "D": 64}, ("qk_norm_fwd",)),
     # q's row is two tiles of the backward's plan: a program's tiles are whole heads
-    ("qk_norm_rope_per_head_fwd_bwd", {"T": 64, "Hq": 64, "Hk": 8, "D": 256},
+    ("qk_norm_rope_per_head_fwd_bwd", {"T": 16, "Hq": 64, "Hk": 8, "D": 256},
      ("qk_norm_rope_fwd", "qk_norm_rope_bwd", "sum_partials")),
 ])
 def test_prefetch_backend_prefetches_every_single_pass_launch(op, shape, kernels):
