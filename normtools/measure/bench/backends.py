@@ -6,10 +6,9 @@ from importlib import import_module, util
 
 import torch
 
-from normtools.core import launch_hooks, launch_plans, launcher
+from normtools.core import launch_hooks, launcher
 from normtools.measure import triton_runs
-from normtools.measure.bench.shapes import (BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS,
-                                          rows_and_length)
+from normtools.measure.bench.shapes import BACKENDS, LAYER_EPS, QK_ROPE_OPS, RMS_EPS
 
 # ---------------------------------------------------------------------------------- backends
 
@@ -83,21 +82,21 @@ def _normtools_ops(backend, head_dim):
     }
 
 
-# The row kernels each op launches (the forward's; both for rms_norm_fwd_bwd) whose launch plan
-# normtools-triton-chunks changes (the launch plan of a GPU without clusters).
-_OP_KERNELS = {"rms_norm": ("rms_norm_fwd",), "add_rms_norm": ("rms_norm_fwd",),
-               "rms_norm_fwd_bwd": ("rms_norm_fwd", "rms_norm_bwd"),
-               "layer_norm": ("layer_norm_fwd",), "qk_norm_per_head": ("qk_norm_fwd",),
-               "qk_norm_per_layer": ("qk_norm_fwd",)}
 _CHUNKED_CAPABILITY = 80     # an A100's plan: no clusters, long rows read in chunks
+
+
+def _sm90_plans(op, shape, stages=1):
+    """The H200 plans of the main kernels of ``op`` at ``shape`` (``triton_runs.kernels_of``),
+    each as its launcher plans it (``triton_runs.launch_of``), prefetching ``stages``."""
+    with launch_hooks.planning_for_cuda(), launch_hooks.prefetching(stages):
+        return [triton_runs.launch_of(kernel, op, shape, torch.bfloat16)[0]
+                for kernel in triton_runs.kernels_of(op)]
 
 
 def clusters_matter(op, shape):
     """True when an sm_90 launch plan of ``op`` at ``shape`` runs a kernel on thread-block
     clusters, so that the chunked plan (``_CHUNKED_CAPABILITY``) launches it differently."""
-    rows, n = rows_and_length(op, shape)
-    return any(launch_plans.launch_plan(kernel, torch.bfloat16, rows, n).num_ctas > 1
-               for kernel in _OP_KERNELS.get(op, ()))
+    return any(plan.num_ctas > 1 for plan in _sm90_plans(op, shape))
 
 
 def on_chunked_plan(fn, sm_count):
@@ -127,11 +126,8 @@ def prefetch_matters(op, shape):
     (``triton_runs.launch_of``, as its launcher plans it), prefetching PREFETCH_STAGES, has a
     tensor whose programs loop over more than one row block (something to load ahead; only
     launch_plans.PREFETCH_KERNELS prefetch)."""
-    with launch_hooks.planning_for_cuda(), launch_hooks.prefetching(PREFETCH_STAGES):
-        plans = [triton_runs.launch_of(kernel, op, shape, torch.bfloat16)[0]
-                 for kernel in triton_runs.kernels_of(op)]
     return any(plan.num_stages > 1 and share.rows_per_program > plan.block_m
-               for plan in plans for share in plan.shares)
+               for plan in _sm90_plans(op, shape, PREFETCH_STAGES) for share in plan.shares)
 
 
 def on_prefetching_plan(fn, stages=PREFETCH_STAGES):
