@@ -39,7 +39,11 @@ all heads share the weight, DW_PARTIAL[g, h] (one row per token group and head) 
 head has its own, so the partials cost a row per program or per head, not one per token
 block (per_layer: not one row of H * head_dim floats per token). kernels/partials.py sums
 them in a fixed order: deterministic without atomics. The q programs come first and the k
-programs after them: one launch covers both tensors, forward and backward.
+programs after them: one launch covers both tensors, forward and backward. A paired plan
+(``launch_plans.pair_programs``: one slot per tensor, as many q as k programs over the same
+tokens; the kernels' PAIRED) launches that many programs instead, and program p runs q
+program p and then k program p: the q and the k rows of its tokens, a finer unit of work than
+q's rows alone.
 
 Addressing. Element (token t, head slot h, column j) is at  t * stride_t + h * N + j,  its
 weight at  j  when all heads share one weight row, at  h * N + j  with one weight row per head
@@ -72,16 +76,25 @@ def qk_norm_fwd(Q, K, QW, KW, QY, KY, Q_RSTD, K_RSTD,
                 stride_q, stride_k, stride_qy, stride_ky, eps, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, QW_PER_HEAD: tl.constexpr,
-                KW_PER_HEAD: tl.constexpr, ROUND_XHAT: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Forward of q and k. Grid: n_q_programs q programs, then the k programs; a program of
-    q covers ``q_heads_per_slot`` of q's ``q_heads`` head slots (H_rows) for
-    ``q_tokens_per_program`` tokens (k likewise; see the module docstring).
+                KW_PER_HEAD: tl.constexpr, ROUND_XHAT: tl.constexpr, NUM_STAGES: tl.constexpr,
+                PAIRED: tl.constexpr):
+    """Forward of q and k. Grid: n_q_programs q programs, then the k programs, or with PAIRED
+    n_q_programs grid programs that each run q program p and then k program p (see the module
+    docstring); a program of q covers ``q_heads_per_slot`` of q's ``q_heads`` head slots
+    (H_rows) for ``q_tokens_per_program`` tokens (k likewise).
 
     Writes QY, KY (contiguous outputs) and the float32 inverse RMS Q_RSTD, K_RSTD laid out as
     (H_rows, n_tokens), which the backward reuses.
     """
     pid = tl.program_id(0)
-    if pid < n_q_programs:
+    if PAIRED:
+        _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, q_tokens_per_program, q_heads,
+                        q_heads_per_slot, stride_q, stride_qy, eps, offset, NQ, BLOCK_M,
+                        BLOCK_NQ, QW_PER_HEAD, ROUND_XHAT, NUM_STAGES)
+        _forward_tensor(K, KW, KY, K_RSTD, pid, n_tokens, k_tokens_per_program, k_heads,
+                        k_heads_per_slot, stride_k, stride_ky, eps, offset, NK, BLOCK_M,
+                        BLOCK_NK, KW_PER_HEAD, ROUND_XHAT, NUM_STAGES)
+    elif pid < n_q_programs:
         _forward_tensor(Q, QW, QY, Q_RSTD, pid, n_tokens, q_tokens_per_program, q_heads,
                         q_heads_per_slot, stride_q, stride_qy, eps, offset, NQ, BLOCK_M,
                         BLOCK_NQ, QW_PER_HEAD, ROUND_XHAT, NUM_STAGES)
@@ -98,13 +111,20 @@ def qk_norm_bwd(Q, K, QW, KW, DQY, DKY, DQ, DK, Q_RSTD, K_RSTD, DQW_PARTIAL, DKW
                 stride_q, stride_k, stride_dqy, stride_dky, stride_dq, stride_dk, offset,
                 NQ: tl.constexpr, NK: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_NQ: tl.constexpr, BLOCK_NK: tl.constexpr, QW_PER_HEAD: tl.constexpr,
-                KW_PER_HEAD: tl.constexpr):
+                KW_PER_HEAD: tl.constexpr, PAIRED: tl.constexpr):
     """Backward of q and k. Same grid as the forward; DQW_PARTIAL receives q's float32
     partial dw rows of length NQ (one per q program when the heads share the weight, else one
     per token group and head; DKW_PARTIAL likewise for k), summed by the launcher into the
     weight grads."""
     pid = tl.program_id(0)
-    if pid < n_q_programs:
+    if PAIRED:
+        _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
+                         q_tokens_per_program, q_heads, q_heads_per_slot, stride_q, stride_dqy,
+                         stride_dq, offset, NQ, BLOCK_M, BLOCK_NQ, QW_PER_HEAD)
+        _backward_tensor(K, KW, DKY, DK, K_RSTD, DKW_PARTIAL, pid, n_tokens,
+                         k_tokens_per_program, k_heads, k_heads_per_slot, stride_k, stride_dky,
+                         stride_dk, offset, NK, BLOCK_M, BLOCK_NK, KW_PER_HEAD)
+    elif pid < n_q_programs:
         _backward_tensor(Q, QW, DQY, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
                          q_tokens_per_program, q_heads, q_heads_per_slot, stride_q, stride_dqy,
                          stride_dq, offset, NQ, BLOCK_M, BLOCK_NQ, QW_PER_HEAD)

@@ -48,13 +48,17 @@ Program layout. The heads of a token are worked on BLOCK_H at a time, as one
 one program covers across the tokens: per_head, tiles_per_slot consecutive tiles of BLOCK_H
 heads (n_slots = ceil(H / (BLOCK_H · tiles_per_slot)) slots per tensor, the last one may hold
 fewer), worked one tile after another; per_layer, the whole row (one slot, its heads in
-GROUPS = H / BLOCK_H tiles). The grid is persistent: program p of a tensor handles slot
-p % n_slots for the tokens [(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M
-at a time; the q programs come first, then the k programs. Each tensor has its own
-tokens_per_program and tiles_per_slot: the launch plan gives q and k programs in proportion to
-the heads of their slots, so that a k program (Hk heads) is not done Hq / Hk times sooner than
-a q program, and lets a program take several tiles when one tile per slot would leave SMs
-idle (9 slots of 8 heads on 132 SMs: 14 programs per slot, 6 SMs without work).
+GROUPS = H / BLOCK_H tiles). Program p of a tensor handles slot p % n_slots for the tokens
+[(p // n_slots) · tokens_per_program, +tokens_per_program), BLOCK_M at a time. The grid is
+persistent. Each tensor has its own tokens_per_program and tiles_per_slot. The launch plan
+either splits the grid, the q programs first, then the k programs, in proportion to the heads
+of their slots (so that a k program of Hk heads is not done Hq / Hk times sooner than a q
+program), and lets a program take several tiles when one tile per slot would leave SMs idle
+(9 slots of 8 heads on 132 SMs: 14 programs per slot, 6 SMs without work); or it pairs them
+(PAIRED, ``launch_plans.pair_programs``): one slot per tensor, as many q as k programs over
+the same tokens and a grid of that many, program p running q program p and then k program p,
+the q and the k heads of its tokens (a token's q and k together are a finer unit of work than
+q's row alone).
 
 Traffic. When every tile is a whole row (per_head always; per_layer while H · D fits one
 tile, which the launch plan decides) a tile's weights are read once per program and every
@@ -102,13 +106,26 @@ def qk_norm_rope_fwd(Q, K, QW, KW, COS, SIN, QO, KO, Q_RSTD, K_RSTD,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
                      ROUND_XHAT: tl.constexpr, Q_NORM_DTYPE: tl.constexpr,
                      K_NORM_DTYPE: tl.constexpr, Q_ROPE_DTYPE: tl.constexpr,
-                     K_ROPE_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
-    """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first; q_slots /
+                     K_ROPE_DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
+                     PAIRED: tl.constexpr):
+    """Forward of q and k. Grid: (n_q_programs + n_k_programs,), q programs first, or with
+    PAIRED (n_q_programs,), program p running q program p and then k program p; q_slots /
     k_slots slots of q_tiles_per_slot / k_tiles_per_slot tiles per tensor (see the module
     docstring). Writes QO, KO and the float32 inverse RMS Q_RSTD, K_RSTD laid out
     (H_rows, n_tokens): H_rows = H per head, 1 per layer."""
     pid = tl.program_id(0)
-    if pid < n_q_programs:
+    if PAIRED:
+        _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, q_tokens_per_program,
+                        q_slots, q_tiles_per_slot, stride_q, stride_qo, stride_cos, stride_sin,
+                        qw_head_stride, eps, offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M,
+                        BLOCK_HQ, BLOCK_HALF, ROUND_XHAT, Q_NORM_DTYPE, Q_ROPE_DTYPE,
+                        NUM_STAGES)
+        _forward_tensor(K, KW, COS, SIN, KO, K_RSTD, pid, n_tokens, k_tokens_per_program,
+                        k_slots, k_tiles_per_slot, stride_k, stride_ko, stride_cos, stride_sin,
+                        kw_head_stride, eps, offset, HEAD_DIM, K_HEADS, PER_LAYER, BLOCK_M,
+                        BLOCK_HK, BLOCK_HALF, ROUND_XHAT, K_NORM_DTYPE, K_ROPE_DTYPE,
+                        NUM_STAGES)
+    elif pid < n_q_programs:
         _forward_tensor(Q, QW, COS, SIN, QO, Q_RSTD, pid, n_tokens, q_tokens_per_program,
                         q_slots, q_tiles_per_slot, stride_q, stride_qo, stride_cos, stride_sin,
                         qw_head_stride, eps, offset, HEAD_DIM, Q_HEADS, PER_LAYER, BLOCK_M,
@@ -132,12 +149,21 @@ def qk_norm_rope_bwd(Q, K, QW, KW, COS, SIN, DQO, DKO, DQ, DK, Q_RSTD, K_RSTD,
                      HEAD_DIM: tl.constexpr, Q_HEADS: tl.constexpr, K_HEADS: tl.constexpr,
                      PER_LAYER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_HQ: tl.constexpr,
                      BLOCK_HK: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                     NUM_STAGES: tl.constexpr):
+                     NUM_STAGES: tl.constexpr, PAIRED: tl.constexpr):
     """Backward of q and k. Same grid as the forward; DQW_PARTIAL / DKW_PARTIAL receive the
     float32 partial weight gradients (layout in the module docstring), summed by the
     launcher."""
     pid = tl.program_id(0)
-    if pid < n_q_programs:
+    if PAIRED:
+        _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
+                         q_tokens_per_program, q_slots, q_tiles_per_slot, stride_q, stride_dqo,
+                         stride_dq, stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM,
+                         Q_HEADS, PER_LAYER, BLOCK_M, BLOCK_HQ, BLOCK_HALF, NUM_STAGES)
+        _backward_tensor(K, KW, COS, SIN, DKO, DK, K_RSTD, DKW_PARTIAL, pid, n_tokens,
+                         k_tokens_per_program, k_slots, k_tiles_per_slot, stride_k, stride_dko,
+                         stride_dk, stride_cos, stride_sin, kw_head_stride, offset, HEAD_DIM,
+                         K_HEADS, PER_LAYER, BLOCK_M, BLOCK_HK, BLOCK_HALF, NUM_STAGES)
+    elif pid < n_q_programs:
         _backward_tensor(Q, QW, COS, SIN, DQO, DQ, Q_RSTD, DQW_PARTIAL, pid, n_tokens,
                          q_tokens_per_program, q_slots, q_tiles_per_slot, stride_q, stride_dqo,
                          stride_dq, stride_cos, stride_sin, qw_head_stride, offset, HEAD_DIM,

@@ -33,3 +33,17 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def nan_filled_float32(monkeypatch):
+    """torch.empty returns NaN-filled float32 tensors: unwritten partial rows show."""
+    empty = torch.empty
+
+    def poisoned(*size, **kwargs):
+        out = empty(*size, **kwargs)
+        if out.dtype == torch.float32:
+            out.fill_(float("nan"))
+        return out
+
+    monkeypatch.setattr(torch, "empty", poisoned)

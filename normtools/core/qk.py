@@ -188,9 +188,11 @@ def launch_shape(kernel, n_tokens, nq, nk, hq, hk, dtype, device):
     head_dim; per_layer: one of Hq · head_dim), and k's, from the plan of the longer row. The
     plan's ``shares`` give each tensor's programs and heads per program slot
     (``launch_plans.share_programs`` with ``group_heads``): q and k get programs in proportion
-    to their work, and a program takes as many heads as keeps the SMs evenly busy."""
+    to their work, and a program takes as many heads as keeps the SMs evenly busy; or, where
+    that is better balanced, a program runs the q and the k rows of its tokens
+    (``launch_plans.pair_programs``)."""
     plan = plan_for(kernel, dtype, n_tokens, max(nq, nk), device,
-                    tensors=((hq, nq), (hk, nk)), group_heads=True)
+                    tensors=((hq, nq), (hk, nk)), group_heads=True, pair_tensors=True)
     return (plan, min(triton.next_power_of_2(nq), plan.block_n),
             min(triton.next_power_of_2(nk), plan.block_n))
 
@@ -226,8 +228,8 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, nq, nk, eps, offset, casting):
         stride_ky=ky.stride(0), eps=eps, offset=offset,
         NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
         QW_PER_HEAD=q_weight.dim() == 2, KW_PER_HEAD=k_weight.dim() == 2,
-        ROUND_XHAT=casting == "llama", NUM_STAGES=plan.num_stages, num_warps=plan.num_warps,
-        num_ctas=plan.num_ctas)
+        ROUND_XHAT=casting == "llama", NUM_STAGES=plan.num_stages, PAIRED=plan.paired,
+        num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return qy, ky, q_rstd, k_rstd
 
 
@@ -266,7 +268,7 @@ def _triton_backward(dqy, dky, q2d, k2d, q_weight, k_weight, q_rstd, k_rstd, nq,
             stride_dky=dky.stride(0), stride_dq=dq.stride(0), stride_dk=dk.stride(0),
             offset=offset, NQ=nq, NK=nk, BLOCK_M=plan.block_m, BLOCK_NQ=block_nq,
             BLOCK_NK=block_nk, QW_PER_HEAD=q_weight.dim() == 2, KW_PER_HEAD=k_weight.dim() == 2,
-            num_warps=plan.num_warps, num_ctas=plan.num_ctas)
+            PAIRED=plan.paired, num_warps=plan.num_warps, num_ctas=plan.num_ctas)
     return (dq, dk, *weight_grads_from_partials(dqw_partial, q_weight, dkw_partial, k_weight))
 
 

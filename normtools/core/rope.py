@@ -170,7 +170,8 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     ``units_per_slot`` tiles of heads (``launch_plans.share_programs``' ``group_heads``: one
     tile per slot with few tokens, several with many), per_layer the whole row. q and k get
     programs in proportion to the heads of a slot (``plan.shares``: per tensor its slots,
-    tiles per slot and tokens per program)."""
+    tiles per slot and tokens per program), or, where that is better balanced, a program runs
+    the q and the k heads of its tokens (``launch_plans.pair_programs``)."""
     block_half = triton.next_power_of_2(head_dim // 2)
     row = hq * 2 * block_half
     block_n = plan_for(kernel, dtype, n_tokens, row, device).block_n
@@ -182,7 +183,7 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
         tensors = ((triton.cdiv(hq, block_hq), min(block_hq, hq)),
                    (triton.cdiv(hk, block_hk), min(block_hk, hk)))
     plan = plan_for(kernel, dtype, n_tokens, row, device, tensors=tensors,
-                    group_heads=not per_layer)
+                    group_heads=not per_layer, pair_tensors=True)
     return plan, block_hq, block_hk, block_half
 
 
@@ -225,7 +226,7 @@ def _triton_forward(q2d, k2d, q_weight, k_weight, cos2d, sin2d, nq, nk, head_dim
         BLOCK_HK=block_hk, BLOCK_HALF=block_half, ROUND_XHAT=casting == "llama",
         Q_NORM_DTYPE=_TL_DTYPES[q_norm_dtype], K_NORM_DTYPE=_TL_DTYPES[k_norm_dtype],
         Q_ROPE_DTYPE=_TL_DTYPES[q_rope_dtype], K_ROPE_DTYPE=_TL_DTYPES[k_rope_dtype],
-        NUM_STAGES=plan.num_stages, num_warps=plan.num_warps)
+        NUM_STAGES=plan.num_stages, PAIRED=plan.paired, num_warps=plan.num_warps)
     return qo, ko, q_rstd, k_rstd
 
 
@@ -273,9 +274,8 @@ def _triton_backward(dqo, dko, q2d, k2d, q_weight, k_weight, cos2d, sin2d, q_rst
             qw_head_stride=_weight_head_stride(q_weight, head_dim, per_layer),
             kw_head_stride=_weight_head_stride(k_weight, head_dim, per_layer), offset=offset,
             HEAD_DIM=head_dim, Q_HEADS=hq, K_HEADS=hk, PER_LAYER=per_layer, BLOCK_M=plan.block_m,
-            BLOCK_HQ=block_hq,
-            BLOCK_HK=block_hk, BLOCK_HALF=block_half, NUM_STAGES=plan.num_stages,
-            num_warps=plan.num_warps)
+            BLOCK_HQ=block_hq, BLOCK_HK=block_hk, BLOCK_HALF=block_half,
+            NUM_STAGES=plan.num_stages, PAIRED=plan.paired, num_warps=plan.num_warps)
     return (dq, dk, *weight_grads_from_partials(dqw_partial, q_weight, dkw_partial, k_weight))
 
 

@@ -8,18 +8,23 @@ on the launch plan of a GPU (``GPUS``: an H200's, an A100's):
     programs      the launch's grid (``launch_plans.launch_plan`` via the launchers'
                   ``launch_shape`` for QK-Norm and QK-Norm + RoPE)
     ctas          CTAs per program (a thread-block cluster when > 1)
-    work_p        useful work of program p, counted as the kernel does: rows × heads, i.e. the
-                  rows of its token range that exist (rows_per_program, fewer in the last
-                  group, none past the end) times the heads of one row (1 for a row op, the
-                  heads of its slot for per-head QK-Norm, Hq or Hk for a per-layer q or k
-                  row, the heads of its tile for a fused QK-Norm + RoPE slot)
+    work_p        useful work of grid program p, counted as the kernel does: the sum, over
+                  the programs of the plan's shares it runs (one, or program p of q and of k
+                  when the plan pairs them, ``launch_plans.pair_programs``), of rows × heads,
+                  i.e. the rows of the program's token range that exist (rows_per_program,
+                  fewer in the last group, none past the end) times the heads of one row (1
+                  for a row op, the heads of its slot for per-head QK-Norm, Hq or Hk for a
+                  per-layer q or k row, the heads of its tiles for a fused QK-Norm + RoPE
+                  slot)
     resident      CTAs of the kernel one SM holds at once (``resident_ctas``)
     waves         ceil(programs / (cluster_slots × resident)), cluster_slots = SMs // ctas
     sm_efficiency Σ_p work_p / (SMs × T),  T = max over SMs of the SM's time
     token_bound   the sm_efficiency of the best grid of whole tokens: programs each over a
                   range of tokens with all the heads of q (or of k) of each, one per cluster
-                  slot, split between q and k by ``launch_plans.share_programs`` (a row op
-                  on one CTA per program: M / (SMs × ceil(M / SMs))). No grid that keeps a
+                  slot, split between q and k by ``launch_plans.share_programs``, or each
+                  over a range of tokens with all their heads of q and of k
+                  (``launch_plans.pair_programs``), whichever is better (a row op on one CTA
+                  per program: M / (SMs × ceil(M / SMs))). No grid that keeps a
                   token's row in one program does better: a launch below it loses SM time to
                   its layout, one at it only to whole rows, and one above it splits a token's
                   heads between programs (per-head QK-Norm and the fused QK-Norm + RoPE per
@@ -101,6 +106,9 @@ def program_work(kernel, op, shape, dtype, gpu):
         # the programs of one tensor: program p → slot p % slots, token group p // slots
         work += [_token_rows(p // share.slots, share.rows_per_program, rows)
                  * slot_heads[p % share.slots] for p in range(share.programs)]
+    if plan.paired:     # grid program p runs program p of q and of k
+        half = len(work) // 2
+        work = [q + k for q, k in zip(work[:half], work[half:])]
     return plan, work
 
 
@@ -110,8 +118,12 @@ def token_bound(kernel, op, shape, gpu, ctas):
         m, tensors = shape["T"], ((1, shape["Hq"]), (1, shape["Hk"]))
     else:
         m, tensors = shape["M"], ((1, 1),)
-    shares = launch_plans.share_programs(max(1, gpu.sm_count // ctas), m, tensors)
-    longest = max(work * share.rows_per_program for (_, work), share in zip(tensors, shares))
+    limit = max(1, gpu.sm_count // ctas)
+    longest = max(launch_plans.program_costs(
+        m, tensors, launch_plans.share_programs(limit, m, tensors)))
+    if len(tensors) > 1:
+        longest = min(longest, max(launch_plans.program_costs(
+            m, tensors, launch_plans.pair_programs(limit, m, tensors), paired=True)))
     return m * sum(work for _, work in tensors) / (gpu.sm_count * longest / ctas)
 
 

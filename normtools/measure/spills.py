@@ -26,6 +26,7 @@ normtools.measure.spills`` prints the full table.
 """
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -143,6 +144,17 @@ def _compile_cached(key, kernel, signature, constexprs, attrs, options, cc):
     return _COMPILED[key]
 
 
+def pairing_variants(launch):
+    """The launch, or for a kernel that can pair tensors (QK-Norm's and QK-Norm + RoPE's:
+    their PAIRED constexpr, ``launch_plans.pair_programs``) the launch unpaired and paired:
+    the block sizes and warps do not depend on the pairing, so either kernel, which a plan of
+    these sizes may launch at another row count, compiles from the same arguments."""
+    if "PAIRED" not in launch.kwargs:
+        return [launch]
+    return [dataclasses.replace(launch, kwargs={**launch.kwargs, "PAIRED": paired})
+            for paired in (False, True)]
+
+
 def _constexpr_summary(launch):
     """The launch's block sizes and flags, e.g. "BLOCK_M=1 BLOCK_N=8192 SINGLE_PASS=1 w=16"."""
     names = ("BLOCK_M", "BLOCK_N", "BLOCK_NQ", "BLOCK_NK", "BLOCK_HQ", "BLOCK_HK", "BLOCK_P",
@@ -151,7 +163,8 @@ def _constexpr_summary(launch):
     ctas, stages = launch.kwargs.get("num_ctas", 1), launch.kwargs.get("NUM_STAGES", 1)
     return " ".join(parts + [f"warps={launch.kwargs.get('num_warps', 4)}"]
                     + ([f"ctas={ctas}"] if ctas > 1 else [])
-                    + ([f"stages={stages}"] if stages > 1 else []))
+                    + ([f"stages={stages}"] if stages > 1 else [])
+                    + (["paired"] if launch.kwargs.get("PAIRED") else []))
 
 
 def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=_ARCHS, qk_head_dims=_QK_HEAD_DIMS,
@@ -160,7 +173,9 @@ def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=_ARCHS, qk_head_di
     N, kernel, config, cc), with the plan of each cc (sm_90's clusters, older GPUs' chunks).
     N is the row length (QK per head: head_dim). At sm_90 the plans are compiled once more for
     each stage count in ``prefetch`` (``launch_hooks.prefetching``; config "stages=s" where
-    a kernel prefetches). See the module docstring for how it is measured."""
+    a kernel prefetches); the QK kernels' launches are compiled paired too
+    (``pairing_variants``; config "paired"). See the module docstring for how it is
+    measured."""
     rows = []
     for op in ops:
         for dtype in dtypes:
@@ -168,11 +183,13 @@ def spill_table(ops=OPS, dtypes=DTYPES, ns=ROW_LENGTHS, archs=_ARCHS, qk_head_di
             for n in lengths:
                 for cc, stages in [(cc, s) for cc in archs
                                    for s in ((1, *prefetch) if cc >= 90 else (1,))]:
-                    for launch in record_launches(op, dtype, n, capability=cc, stages=stages):
-                        report = compile_report(launch, cc)
-                        rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
-                                     "N": n, "kernel": launch.kernel.fn.__name__,
-                                     "config": _constexpr_summary(launch), "cc": cc, **report})
+                    for recorded in record_launches(op, dtype, n, capability=cc,
+                                                    stages=stages):
+                        for launch in pairing_variants(recorded):
+                            rows.append({"op": op, "dtype": str(dtype).removeprefix("torch."),
+                                         "N": n, "kernel": launch.kernel.fn.__name__,
+                                         "config": _constexpr_summary(launch), "cc": cc,
+                                         **compile_report(launch, cc)})
     return pd.DataFrame(rows).drop_duplicates(ignore_index=True)
 
 

@@ -152,19 +152,22 @@ def test_prefetching_plan_gives_the_same_bits(norm, dtype, n):
         assert torch.equal(a, b)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("fused", [False, True], ids=["qk_norm", "qk_norm_rope"])
-@pytest.mark.parametrize("scope, hq, head_dim", [("per_head", 32, 128), ("per_head", 64, 256),
-                                                 ("per_layer", 32, 128)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_prefetching_qk_plan_gives_the_same_bits(fused, scope, hq, head_dim, dtype):
-    """As above for QK-Norm and the fused QK-Norm + RoPE (4096 tokens, 8 k heads; 64 q heads
-    of 256 put the fused backward's q row in several tiles): outputs and all gradients of the
-    prefetching plan equal the default plan's bit for bit, and its launches prefetch (all but
-    QK-Norm's backward, which launch_plans.PREFETCH_KERNELS leaves out)."""
+def _qk_plan(fused, scope, kernel, tokens, hq, hk, head_dim, dtype, device):
+    """The launch plan of QK-Norm's (``fused``: QK-Norm + RoPE's) ``kernel`` on ``device``."""
     from normtools.core import rope as rope_module
 
-    tokens, hk = 4096, 8
+    if fused:
+        return rope_module.launch_shape(kernel, tokens, hq, hk, head_dim, scope == "per_layer",
+                                        dtype, device)[0]
+    rows = ((head_dim, head_dim, hq, hk) if scope == "per_head"
+            else (hq * head_dim, hk * head_dim, 1, 1))
+    return qk_module.launch_shape(kernel, tokens, *rows, dtype, device)[0]
+
+
+def _qk_outputs(fused, scope, tokens, hq, hk, head_dim, dtype):
+    """A function that runs QK-Norm (``fused``: QK-Norm + RoPE) on the Triton backend over
+    random CUDA inputs of ``tokens`` tokens, forward and backward: its outputs, then the
+    gradients of q, k and both weights."""
     gen = torch.Generator(device="cuda").manual_seed(hq * head_dim)
 
     def randn(*shape):
@@ -182,31 +185,70 @@ def test_prefetching_qk_plan_gives_the_same_bits(fused, scope, hq, head_dim, dty
         def forward(*tensors):
             return normtools.qk_norm_rope(*tensors, *tables, head_dim=head_dim, scope=scope,
                                           backend="triton")
-
-        def stages(kernel):
-            return rope_module.launch_shape(kernel, tokens, hq, hk, head_dim,
-                                            scope == "per_layer", dtype, q.device)[0].num_stages
     else:
         def forward(*tensors):
             return normtools.qk_norm(*tensors, head_dim=head_dim, scope=scope, backend="triton")
-
-        def stages(kernel):
-            heads = (hq, hk) if scope == "per_head" else (1, 1)
-            return qk_module.launch_shape(kernel, tokens, *rows, *heads, dtype,
-                                          q.device)[0].num_stages
 
     def outputs():
         inputs = [t.detach().requires_grad_() for t in (q, k, *weights)]
         outs = forward(*inputs)
         return (*outs, *torch.autograd.grad(outs, inputs, (dq, dk)))
 
+    return outputs
+
+
+QK_PLAN_CASES = [("per_head", 32, 128), ("per_head", 64, 256), ("per_layer", 32, 128)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["qk_norm", "qk_norm_rope"])
+@pytest.mark.parametrize("scope, hq, head_dim", QK_PLAN_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_prefetching_qk_plan_gives_the_same_bits(fused, scope, hq, head_dim, dtype):
+    """As above for QK-Norm and the fused QK-Norm + RoPE (4096 tokens, 8 k heads; 64 q heads
+    of 256 put the fused backward's q row in several tiles): outputs and all gradients of the
+    prefetching plan equal the default plan's bit for bit, and its launches prefetch (all but
+    QK-Norm's backward, which launch_plans.PREFETCH_KERNELS leaves out)."""
+    tokens, hk = 4096, 8
+    outputs = _qk_outputs(fused, scope, tokens, hq, hk, head_dim, dtype)
     expected = outputs()
     family = "qk_norm_rope" if fused else "qk_norm"
     with launch_hooks.prefetching(2):
-        assert [stages(f"{family}_{d}") for d in ("fwd", "bwd")] == [2, 2 if fused else 1]
+        assert [_qk_plan(fused, scope, f"{family}_{d}", tokens, hq, hk, head_dim, dtype,
+                         "cuda").num_stages for d in ("fwd", "bwd")] == [2, 2 if fused else 1]
         got = outputs()
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True], ids=["qk_norm", "qk_norm_rope"])
+@pytest.mark.parametrize("scope, hq, head_dim", QK_PLAN_CASES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_paired_qk_plan_matches_the_split_plan(fused, scope, hq, head_dim, dtype,
+                                                monkeypatch):
+    """A paired plan (launch_plans.pair_programs: a program normalizes the q and then the k
+    rows of its tokens) at the first token count from 2048 on where this GPU's forward plan
+    pairs, against the same launches planned without pairing: the outputs and the q and k
+    gradients bit for bit (a token's row is computed alike whichever program takes it), the
+    weight gradients (summed from other partial rows) within the dtype's tolerance."""
+    hk, family = 8, "qk_norm_rope" if fused else "qk_norm"
+    tokens = next((t for t in range(2048, 8192) if _qk_plan(
+        fused, scope, f"{family}_fwd", t, hq, hk, head_dim, dtype, "cuda").paired), None)
+    assert tokens is not None, "no paired forward plan from 2048 to 8191 tokens"
+    outputs = _qk_outputs(fused, scope, tokens, hq, hk, head_dim, dtype)
+    paired = outputs()
+    def unpaired(*args, **kwargs):
+        return launch_plans.launch_plan(*args, **{**kwargs, "pair_tensors": False})
+
+    monkeypatch.setattr(launcher, "launch_plan", unpaired)
+    assert not _qk_plan(fused, scope, f"{family}_fwd", tokens, hq, hk, head_dim, dtype,
+                        "cuda").paired
+    split = outputs()
+    for a, b in zip(paired[:4], split[:4]):
+        assert torch.equal(a, b)
+    for a, b in zip(paired[4:], split[4:]):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize("op", OPS)

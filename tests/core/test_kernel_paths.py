@@ -14,6 +14,7 @@
   False)``), and the addresses it computes must be the exact 64-bit ones.
 """
 
+import collections
 import itertools
 import numpy as np
 import pytest
@@ -24,20 +25,6 @@ import normtools
 from normtools._kernels import qk_norm as _qk
 from normtools.core import launch_hooks, launch_plans, launcher
 from normtools.measure import bytes_counter as kt
-
-
-@pytest.fixture
-def nan_filled_float32(monkeypatch):
-    """torch.empty returns NaN-filled float32 tensors: unwritten partial rows show."""
-    empty = torch.empty
-
-    def poisoned(*size, **kwargs):
-        out = empty(*size, **kwargs)
-        if out.dtype == torch.float32:
-            out.fill_(float("nan"))
-        return out
-
-    monkeypatch.setattr(torch, "empty", poisoned)
 
 
 @pytest.fixture
@@ -190,7 +177,7 @@ def test_qk_norm_offsets_are_64_bit():
             n_tokens, 2, 2, heads, 1, 1, 1, heads,
             q.stride(0), k.stride(0), q.stride(0), k.stride(0), 1e-6, 0.0,
             NQ=d, NK=d, BLOCK_M=2, BLOCK_NQ=d, BLOCK_NK=d, QW_PER_HEAD=False, KW_PER_HEAD=False,
-            ROUND_XHAT=True, NUM_STAGES=1)
+            ROUND_XHAT=True, NUM_STAGES=1, PAIRED=False)
     rstd_stores = [a.addresses for a in trace if a.kind == "store" and a.itemsize == 4
                    and a.addresses.size == 2]
     offsets = sorted(int(o) for a in rstd_stores for o in (a - rstd.data_ptr()) // 4)
@@ -227,6 +214,54 @@ def test_cuda_plans_cover_every_row_once(kernel, dtype):
                 assert plan.num_ctas == config.num_ctas
                 assert plan.programs <= max(limit // plan.num_ctas,
                                             sum(slots for slots, _ in tensors))
+
+
+def _grid_work(m, tensors, shares, paired):
+    """(work of each grid program, times each (tensor, unit, row) is covered): program p of a
+    tensor covers the units of slot p % slots over the rows of token group p // slots; the
+    grid runs the tensors' programs one after another, or, ``paired``, program p of each
+    tensor in grid program p."""
+    work, covered = collections.Counter(), collections.Counter()
+    offset = 0
+    for tensor, ((slots, unit_work), share) in enumerate(zip(tensors, shares)):
+        h, r = share.units_per_slot, share.rows_per_program
+        for p in range(share.programs):
+            slot, group = p % share.slots, p // share.slots
+            units = range(slot * h, min((slot + 1) * h, slots))
+            rows = range(group * r, min((group + 1) * r, m))
+            covered.update((tensor, u, row) for u in units for row in rows)
+            work[p if paired else offset + p] += len(units) * len(rows) * unit_work
+        offset += share.programs
+    return [work[g] for g in range(max(work) + 1)], covered
+
+
+@pytest.mark.parametrize("group_heads", [False, True])
+def test_paired_plans_take_the_shorter_of_split_and_pair(group_heads):
+    """``launch_plan`` with ``pair_tensors``: every (tensor, unit, row) is covered once, the grid
+    is one wave (unless the slots alone are more), and its longest grid program is the shorter
+    of the split's (``share_programs``, times its waves) and of a grid of ceil(m / limit)-token
+    programs that each take every unit of q and k (a paired plan: as many programs per tensor
+    as the grid); a split that is as short stays."""
+    limit = 132
+    for tensors in (((1, 64), (1, 8)), ((1, 48), (1, 8)), ((32, 1), (8, 1)), ((64, 1), (8, 1)),
+                    ((1, 32), (1, 32)), ((200, 1), (8, 1))):
+        for m in (1, 7, 768, 1472, 2944, 4096, 8192):
+            plan = launch_plans.launch_plan("qk_norm_fwd", torch.bfloat16, m, 128, "cuda", limit,
+                                            tensors, group_heads=group_heads, pair_tensors=True)
+            work, covered = _grid_work(m, tensors, plan.shares, plan.paired)
+            assert set(covered.values()) == {1} and len(covered) == m * sum(
+                slots for slots, _ in tensors), (tensors, m)
+            assert plan.programs == len(work)
+            if plan.paired:
+                assert {share.programs for share in plan.shares} == {plan.programs}
+            assert plan.programs <= max(limit, sum(slots for slots, _ in tensors))
+            split = launch_plans.share_programs(limit, m, tensors, group_heads)
+            split_work = _grid_work(m, tensors, split, False)[0]
+            split_longest = max(split_work) * -(-len(split_work) // limit)
+            paired_longest = -(-m // min(limit, m)) * sum(s * w for s, w in tensors)
+            waves = -(-plan.programs // limit)
+            assert max(work) * waves == min(split_longest, paired_longest), (tensors, m)
+            assert plan.paired == (paired_longest < split_longest), (tensors, m)
 
 
 def _best_split(limit, m, tensors):

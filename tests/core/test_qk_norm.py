@@ -167,6 +167,31 @@ def test_many_programs_and_chunks(kind, dtype, monkeypatch):
              fused=True)
 
 
+@pytest.mark.parametrize("kind, hq, hk, lead, programs", [
+    ("shared", 10, 5, (2, 4), 10), ("per_head", 10, 5, (2, 4), 10),
+    ("per_layer", 4, 2, (2, 3), 6)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paired_q_and_k_programs(kind, hq, hk, lead, programs, dtype, monkeypatch,
+                                 nan_filled_float32):
+    """A paired plan (launch_plans.pair_programs): rows of one head (D = 16) a block, and as
+    many programs allowed as tokens, so that a token's q and k rows together are a shorter
+    program than the split's (per head, Hq = 10 and Hk = 5: 15 heads against 16 head-tokens;
+    per layer, q's row of 4 heads and k's of 2: 6 against 8). Each grid program runs the q
+    program and the k program of its token, forward and backward, into float32 buffers full of
+    NaN: a grid program that ran only its first program leaves k unwritten and cannot pass."""
+    n_tokens, per_layer = lead[0] * lead[1], kind == "per_layer"
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16 * (hq if per_layer else 1))
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", programs)
+    rows = (hq * 16, hk * 16, 1, 1) if per_layer else (16, 16, hq, hk)
+    for kernel in ("qk_norm_fwd", "qk_norm_bwd"):
+        plan = qk_module.launch_shape(kernel, n_tokens, *rows, dtype, "cpu")[0]
+        assert plan.block_m == 1 and [(s.slots, s.groups, s.rows_per_program)
+                                      for s in plan.shares] == [(1, n_tokens, 1)] * 2, kernel
+        assert plan.programs == n_tokens, kernel     # half the shares' programs
+    check_qk("cpu", "triton", lead, hq, hk, 16, kind, dtype, torch.float32, "gemma", 0.5,
+             fused=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["shared", "per_head", "per_layer"])
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -202,7 +227,7 @@ def compile_kernels_for_sm90():
                 "cpu")
         rows, num_warps = plan.block_m, plan.num_warps
         sizes = dict(NQ=nq, NK=nk, BLOCK_M=rows, BLOCK_NQ=block_nq, BLOCK_NK=block_nk,
-                     QW_PER_HEAD=False, KW_PER_HEAD=False)
+                     QW_PER_HEAD=False, KW_PER_HEAD=False, PAIRED=plan.paired)
         pointers = {name: f"*{dtype}" for name in ("Q", "K", "QW", "KW", "QY", "KY", "DQY", "DKY",
                                                   "DQ", "DK")}
         pointers |= {name: "*fp32" for name in ("Q_RSTD", "K_RSTD", "DQW_PARTIAL", "DKW_PARTIAL")}

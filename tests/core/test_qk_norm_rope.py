@@ -283,7 +283,7 @@ def test_bad_rope_tables_raise_before_launch():
 @pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
                                                     (torch.bfloat16, "gemma", 1.0)], ids=str)
 def test_split_rows_and_unequal_q_k_programs(scope, weights, dtype, casting, offset,
-                                            monkeypatch):
+                                            monkeypatch, nan_filled_float32):
     """The kernel paths the default CPU tiles never reach: tiles of 16 values (one head of
     D = 16 per tile, so per_head has a slot per head and a per_layer row is 4 or 2 tiles,
     read twice), 12 tokens with 5 programs allowed per slot (per head: 4 programs of 3
@@ -300,24 +300,18 @@ def test_split_rows_and_unequal_q_k_programs(scope, weights, dtype, casting, off
     assert plan.block_n == 16 and plan.block_m == 1
     expected = ((1, 6, 2), (1, 3, 4)) if scope == "per_layer" else ((4, 4, 3), (2, 4, 3))
     assert [(s.slots, s.groups, s.rows_per_program) for s in plan.shares] == list(expected)
-    empty = torch.empty
-
-    def poisoned(*size, **kwargs):
-        out = empty(*size, **kwargs)
-        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
-
-    monkeypatch.setattr(torch, "empty", poisoned)
     test_gradients_match_float64("triton", scope, weights, dtype, casting, offset)
 
 
 @pytest.mark.parametrize("weights", ["shared", "per_head"])
 @pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
                                                     (torch.bfloat16, "gemma", 1.0)], ids=str)
-def test_programs_that_take_several_tiles(weights, dtype, casting, offset, monkeypatch):
+def test_programs_that_take_several_tiles(weights, dtype, casting, offset, monkeypatch,
+                                          nan_filled_float32):
     """Per head, a program takes the plan's units_per_slot tiles of heads one after another:
-    tiles of one head (D = 16), Hq = 10 and Hk = 5, 8 tokens and 10 programs allowed. The plan
+    tiles of one head (D = 16), Hq = 10 and Hk = 5, 4 tokens and 10 programs allowed. The plan
     puts q in 3 slots of 4 tiles (the last slot holds two) and k in 2 (the last holds one),
-    2 programs of 4 tokens per slot, in both directions; float32 buffers full of NaN, so a
+    2 programs of 2 tokens per slot, in both directions; float32 buffers full of NaN, so a
     head no program covers, or a partial it does not write, cannot pass. Outputs and
     gradients against float64."""
     from normtools.core import launch_plans
@@ -326,16 +320,39 @@ def test_programs_that_take_several_tiles(weights, dtype, casting, offset, monke
     monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
     monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", 10)
     for kernel in ("qk_norm_rope_fwd", "qk_norm_rope_bwd"):
-        plan = launch_shape(kernel, 8, 10, 5, 16, False, dtype, "cpu")[0]
+        plan = launch_shape(kernel, 4, 10, 5, 16, False, dtype, "cpu")[0]
         assert plan.block_n == 16 and plan.block_m == 1
         assert [(s.slots, s.units_per_slot, s.groups, s.rows_per_program)
-                for s in plan.shares] == [(3, 4, 2, 4), (2, 4, 2, 4)], kernel
-    empty = torch.empty
-
-    def poisoned(*size, **kwargs):
-        out = empty(*size, **kwargs)
-        return out.fill_(float("nan")) if out.dtype == torch.float32 else out
-
-    monkeypatch.setattr(torch, "empty", poisoned)
+                for s in plan.shares] == [(3, 4, 2, 2), (2, 4, 2, 2)], kernel
+        assert plan.programs == 10, kernel    # a grid program per program: not paired
     test_gradients_match_float64("triton", "per_head", weights, dtype, casting, offset,
-                                 tokens=(2, 4), heads=(10, 5))
+                                 tokens=(1, 4), heads=(10, 5))
+
+
+@pytest.mark.parametrize("scope, weights, tokens, heads, programs", [
+    ("per_head", "shared", (2, 4), (10, 5), 10), ("per_head", "per_head", (2, 4), (10, 5), 10),
+    ("per_layer", "per_layer", (2, 3), (4, 2), 6)])
+@pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
+                                                    (torch.bfloat16, "gemma", 1.0)], ids=str)
+def test_paired_q_and_k_programs(scope, weights, tokens, heads, programs, dtype, casting, offset,
+                                 monkeypatch, nan_filled_float32):
+    """A paired plan (launch_plans.pair_programs): tiles of one head (D = 16) and as many
+    programs allowed as there are tokens, so that a token's q and k heads together (Hq + Hk
+    heads) are a shorter program than the split's (per head, Hq = 10 and Hk = 5: 15 heads of
+    one token against 16 head-tokens; per layer, Hq = 4 and Hk = 2: 6 against q's 8). Each
+    grid program runs the q program and the k program of its token, in both directions, into
+    float32 buffers full of NaN: a grid program that ran only its first program leaves k
+    unwritten and cannot pass. Outputs and gradients against float64."""
+    from normtools.core import launch_plans
+    from normtools.core.rope import launch_shape
+    n_tokens = tokens[0] * tokens[1]
+    monkeypatch.setattr(launch_plans, "MAX_CHUNK_BYTES", 64 if dtype == torch.float32 else 32)
+    monkeypatch.setitem(launch_plans.TILE_ELEMENTS, "cpu", 16)
+    monkeypatch.setattr(launch_plans, "CPU_PROGRAMS", programs)
+    for kernel in ("qk_norm_rope_fwd", "qk_norm_rope_bwd"):
+        plan = launch_shape(kernel, n_tokens, *heads, 16, scope == "per_layer", dtype, "cpu")[0]
+        assert plan.block_m == 1 and [(s.slots, s.groups, s.rows_per_program)
+                                      for s in plan.shares] == [(1, n_tokens, 1)] * 2, kernel
+        assert plan.programs == n_tokens, kernel     # half the shares' programs
+    test_gradients_match_float64("triton", scope, weights, dtype, casting, offset,
+                                 tokens=tokens, heads=heads)

@@ -38,14 +38,17 @@ def _committed_row(gpu, op, kernel, dtype, shape):
 
 
 def _recorded_work(launch, head_dim):
-    """Work (rows × heads) of every program of a recorded launch, from its grid and arguments
-    and the kernels' documented program layout."""
+    """Work (rows × heads) of every grid program of a recorded launch, from its grid and
+    arguments and the kernels' documented program layout (QK-Norm and QK-Norm + RoPE: the q
+    programs, then the k programs; PAIRED, grid program p runs q program p and k program
+    p)."""
     kw, programs = launch.kwargs, launch.grid[0]
     name = launch.kernel.fn.__name__
     if name.startswith(("rms_norm", "layer_norm")):
         rows, per = kw["M"], kw["rows_per_program"]
         return [max(0, min(per, rows - p * per)) for p in range(programs)]
     tokens, n_q = kw["n_tokens"], kw["n_q_programs"]
+    n_k = n_q if kw["PAIRED"] else programs - n_q
     per_program = (kw["q_tokens_per_program"], kw["k_tokens_per_program"])
 
     def token_rows(group, per):
@@ -66,19 +69,20 @@ def _recorded_work(launch, head_dim):
                   for s in range(-(-rows // per_slot))]
                  for rows, per_slot, n in ((kw["q_heads"], kw["q_heads_per_slot"], kw["NQ"]),
                                            (kw["k_heads"], kw["k_heads_per_slot"], kw["NK"]))]
-    work = []
-    for p in range(programs):
+    work = [0] * programs
+    for p in range(n_q + n_k):
         tensor, index = (0, p) if p < n_q else (1, p - n_q)
         slot_heads = heads[tensor]
-        work.append(token_rows(index // len(slot_heads), per_program[tensor])
-                    * slot_heads[index % len(slot_heads)])
+        work[p % programs] += (token_rows(index // len(slot_heads), per_program[tensor])
+                               * slot_heads[index % len(slot_heads)])
     return work
 
 
 @pytest.mark.parametrize("op, shape", [
     ("rms_norm", {"M": 8192, "N": 8192}),                            # a real prefill shape
     ("rms_norm", {"M": 1024, "N": 65536}),                           # clusters of 4
-    ("qk_norm_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),  # every head in a slot
+    # paired: a grid program runs the q and the k program of its tokens
+    ("qk_norm_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),
     ("qk_norm_per_head", {"T": 64, "Hq": 32, "Hk": 8, "D": 128}),    # few tokens: slots of heads
     ("qk_norm_per_layer", {"T": 8192, "Hq": 48, "Hk": 8, "D": 128}),  # q rows 6x k rows
     ("qk_norm_rope_per_head", {"T": 8192, "Hq": 32, "Hk": 8, "D": 128}),

@@ -163,6 +163,17 @@ def test_compiles_for_sm80_and_sm75(report):
                        "qk_norm_rope_bwd"}, (cc, got)
 
 
+def test_qk_launches_compile_paired_too(report):
+    """Every QK-Norm and QK-Norm + RoPE launch is compiled a second time paired (the kernels'
+    PAIRED, which a launch plan sets where launch_plans.pair_programs balances better), at
+    every compute capability, and the row kernels are not."""
+    configs = {(r["op"], r["N"], r["kernel"], r["config"], r["cc"]) for r in report["rows"]}
+    qk = {c for c in configs if c[2].startswith("qk_norm") and not c[3].endswith(" paired")}
+    assert {cc for *_, cc in qk} == {90, 80, 75}
+    assert {(op, n, kernel, config + " paired", cc) for op, n, kernel, config, cc in qk} <= configs
+    assert not [c for c in configs if c[3].endswith(" paired") and not c[2].startswith("qk")]
+
+
 def test_committed_table_matches_the_compiles(report):
     """The table chapter 4b shows (python -m normtools.measure.spills --csv ...) has every
     configuration compiled here with the same registers and spill bytes."""
