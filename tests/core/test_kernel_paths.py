@@ -245,7 +245,7 @@ def test_paired_plans_take_the_shorter_of_split_and_pair(group_heads):
     limit = 132
     for tensors in (((1, 64), (1, 8)), ((1, 48), (1, 8)), ((32, 1), (8, 1)), ((64, 1), (8, 1)),
                     ((1, 32), (1, 32)), ((200, 1), (8, 1))):
-        for m in (1, 7, 768, 1472, 2944, 4096, 8192):
+        for m in (1, 7, 768, 2944):
             plan = launch_plans.launch_plan("qk_norm_fwd", torch.bfloat16, m, 128, "cuda", limit,
                                             tensors, group_heads=group_heads, pair_tensors=True)
             work, covered = _grid_work(m, tensors, plan.shares, plan.paired)

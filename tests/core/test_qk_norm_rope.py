@@ -329,11 +329,14 @@ def test_programs_that_take_several_tiles(weights, dtype, casting, offset, monke
                                  tokens=(1, 4), heads=(10, 5))
 
 
-@pytest.mark.parametrize("scope, weights, tokens, heads, programs", [
-    ("per_head", "shared", (2, 4), (10, 5), 10), ("per_head", "per_head", (2, 4), (10, 5), 10),
-    ("per_layer", "per_layer", (2, 3), (4, 2), 6)])
-@pytest.mark.parametrize("dtype, casting, offset", [(torch.float32, "llama", 0.0),
-                                                    (torch.bfloat16, "gemma", 1.0)], ids=str)
+FLOAT32_LLAMA, BFLOAT16_GEMMA = (torch.float32, "llama", 0.0), (torch.bfloat16, "gemma", 1.0)
+
+
+@pytest.mark.parametrize("scope, weights, tokens, heads, programs, dtype, casting, offset", [
+    ("per_head", "shared", (2, 4), (10, 5), 10, *FLOAT32_LLAMA),
+    ("per_head", "per_head", (2, 4), (10, 5), 10, *BFLOAT16_GEMMA),
+    ("per_layer", "per_layer", (2, 3), (4, 2), 6, *FLOAT32_LLAMA),
+    ("per_layer", "per_layer", (2, 3), (4, 2), 6, *BFLOAT16_GEMMA)], ids=str)
 def test_paired_q_and_k_programs(scope, weights, tokens, heads, programs, dtype, casting, offset,
                                  monkeypatch, nan_filled_float32):
     """A paired plan (launch_plans.pair_programs): tiles of one head (D = 16) and as many
