@@ -425,6 +425,22 @@ def program_costs(m, tensors, shares, paired=False):
     return [cost for costs in per_tensor for cost in costs]
 
 
+@functools.lru_cache(maxsize=4096)
+def balanced_shares(limit, m, tensors, group_heads=False, pair_tensors=False):
+    """(shares, paired): ``share_programs``' split of at most ``limit`` programs over m rows,
+    or, with ``pair_tensors``, ``pair_programs``' plan where its longest program
+    (``program_costs``) is shorter than the split's times the split's waves (ties keep the
+    split). Cached: a launch plans this on the hot path."""
+    shares = share_programs(limit, m, tensors, group_heads)
+    if pair_tensors:
+        pairs = pair_programs(limit, m, tensors)
+        split_cost = (max(program_costs(m, tensors, shares))
+                      * -(-sum(share.programs for share in shares) // limit))
+        if max(program_costs(m, tensors, pairs, paired=True)) < split_cost:
+            return pairs, True
+    return shares, False
+
+
 def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT,
                 tensors=((1, 1),), capability=DEFAULT_CAPABILITY, resident_limit=None,
                 group_heads=False, fixed_rows=None, prefetch_stages=1, pair_tensors=False):
@@ -450,7 +466,7 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
 
     ``pair_tensors``: the kernel can run a program of each tensor in one grid program (the QK
     kernels' PAIRED); ``pair_programs``' plan (``paired``) replaces the split when its longest
-    program is shorter. A ``fixed_rows`` plan is never paired.
+    program is shorter (``balanced_shares``). A ``fixed_rows`` plan is never paired.
 
     ``prefetch_stages`` (CUDA only): ``num_stages`` of a single-pass plan of a kernel of
     PREFETCH_KERNELS, or of the fused QK-Norm + RoPE per head, whose tiles are whole heads
@@ -491,14 +507,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
         shares = tuple(Share(triton.cdiv(slots, units), triton.cdiv(max(m, 1), rows), rows, units)
                        for (slots, _), (rows, units) in zip(tensors, fixed_rows))
     else:
-        blocks, tensors = triton.cdiv(m, unit), tuple(tensors)
-        shares = share_programs(limit, blocks, tensors, group_heads)
-        if pair_tensors:
-            pairs = pair_programs(limit, blocks, tensors)
-            split_cost = (max(program_costs(blocks, tensors, shares))
-                          * triton.cdiv(sum(share.programs for share in shares), limit))
-            if max(program_costs(blocks, tensors, pairs, paired=True)) < split_cost:
-                shares, paired = pairs, True
+        shares, paired = balanced_shares(limit, triton.cdiv(m, unit), tuple(tensors),
+                                         group_heads, pair_tensors)
         shares = tuple(dataclasses.replace(share, rows_per_program=share.rows_per_program * unit)
                        for share in shares)
     single_pass = n <= block_n

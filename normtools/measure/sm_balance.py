@@ -118,12 +118,9 @@ def token_bound(kernel, op, shape, gpu, ctas):
         m, tensors = shape["T"], ((1, shape["Hq"]), (1, shape["Hk"]))
     else:
         m, tensors = shape["M"], ((1, 1),)
-    limit = max(1, gpu.sm_count // ctas)
-    longest = max(launch_plans.program_costs(
-        m, tensors, launch_plans.share_programs(limit, m, tensors)))
-    if len(tensors) > 1:
-        longest = min(longest, max(launch_plans.program_costs(
-            m, tensors, launch_plans.pair_programs(limit, m, tensors), paired=True)))
+    shares, paired = launch_plans.balanced_shares(max(1, gpu.sm_count // ctas), m, tensors,
+                                                  pair_tensors=len(tensors) > 1)
+    longest = max(launch_plans.program_costs(m, tensors, shares, paired))
     return m * sum(work for _, work in tensors) / (gpu.sm_count * longest / ctas)
 
 
