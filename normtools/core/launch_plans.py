@@ -266,8 +266,9 @@ class LaunchPlan:
     QK-Norm); ``rows_per_program`` is the first tensor's. ``programs`` is the grid: the
     shares' programs, one after another, or with ``paired`` (``pair_programs``) the programs
     of one tensor, grid program p running program p of every tensor. ``single_pass``: the
-    whole row fits one tile (N <= BLOCK_N), the kernels' SINGLE_PASS. ``num_stages``: the
-    kernels' NUM_STAGES, row blocks in flight in the single-pass loop (1: no prefetch)."""
+    values normalized together (the row, or one head of the fused QK-Norm + RoPE per head)
+    fit one tile, the kernels' SINGLE_PASS. ``num_stages``: the kernels' NUM_STAGES, row
+    blocks in flight in the single-pass loop (1: no prefetch)."""
 
     block_m: int
     block_n: int
@@ -443,7 +444,8 @@ def balanced_shares(limit, m, tensors, group_heads=False, pair_tensors=False):
 
 def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COUNT,
                 tensors=((1, 1),), capability=DEFAULT_CAPABILITY, resident_limit=None,
-                group_heads=False, fixed_rows=None, prefetch_stages=1, pair_tensors=False):
+                group_heads=False, fixed_rows=None, prefetch_stages=1, pair_tensors=False,
+                norm_length=None):
     """The plan for ``kernel`` over an (m, n) matrix of ``dtype`` on ``device_type``: pure (it
     reads no device), so that the real launch and the ahead-of-time tools (bytes counter,
     spill report, SM-time model) use the same block sizes and grid.
@@ -468,9 +470,13 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
     kernels' PAIRED); ``pair_programs``' plan (``paired``) replaces the split when its longest
     program is shorter (``balanced_shares``). A ``fixed_rows`` plan is never paired.
 
+    ``norm_length``: the values the kernel normalizes together (default n, the row; one head
+    for the fused QK-Norm + RoPE per head, which cuts q's row of n values into tiles of whole
+    heads). The plan is ``single_pass`` when they fit one tile, norm_length <= BLOCK_N: the
+    kernel reads each value once.
+
     ``prefetch_stages`` (CUDA only): ``num_stages`` of a single-pass plan of a kernel of
-    PREFETCH_KERNELS, or of the fused QK-Norm + RoPE per head, whose tiles are whole heads
-    (every other plan: 1).
+    PREFETCH_KERNELS (every other plan: 1).
 
     ``resident_limit`` (CUDA only): the programs the GPU holds at once, when known, replacing
     the computed limit: limit = max(1, ``resident_limit``). A cluster of 4 or more CTAs must
@@ -511,11 +517,8 @@ def launch_plan(kernel, dtype, m, n, device_type="cuda", sm_count=DEFAULT_SM_COU
                                          group_heads, pair_tensors)
         shares = tuple(dataclasses.replace(share, rows_per_program=share.rows_per_program * unit)
                        for share in shares)
-    single_pass = n <= block_n
-    # the fused QK-Norm + RoPE per head (group_heads) cuts q's row into tiles of whole heads:
-    # its loop over a tile's tokens is single-pass even when the row spans several tiles
-    whole_tiles = single_pass or (group_heads and kernel.startswith("qk_norm_rope"))
-    prefetches = device_type == "cuda" and whole_tiles and kernel in PREFETCH_KERNELS
+    single_pass = (n if norm_length is None else norm_length) <= block_n
+    prefetches = device_type == "cuda" and single_pass and kernel in PREFETCH_KERNELS
     programs = shares[0].programs if paired else sum(share.programs for share in shares)
     return LaunchPlan(block_m, block_n, num_warps, programs, shares[0].rows_per_program,
                       single_pass, reason, num_ctas, shares, prefetch_stages if prefetches else 1,

@@ -60,11 +60,12 @@ def resolve_backend(backend, device):
 
 
 def plan_for(kernel, dtype, m, n, device, tensors=((1, 1),), group_heads=False,
-             pair_tensors=False):
+             pair_tensors=False, norm_length=None):
     """``launch_plans.launch_plan`` for tensors on ``device`` (its SM count on CUDA), or for
     the CUDA device of an enclosing ``launch_hooks.planning_for_cuda``; ``tensors``: per
     tensor of the launch, (slots, work of a row of a slot); ``group_heads``: a program may
-    take several slots; ``pair_tensors``: a grid program may run a program of each tensor.
+    take several slots; ``pair_tensors``: a grid program may run a program of each tensor;
+    ``norm_length``: the values normalized together, when not the row of n.
 
     On CUDA, a cluster plan (``num_ctas`` > 1) whose grid has more programs than the GPU holds
     clusters of the compiled kernel at once (``_RESIDENT_CLUSTERS``, the occupancy query's
@@ -75,19 +76,21 @@ def plan_for(kernel, dtype, m, n, device, tensors=((1, 1),), group_heads=False,
     target = cuda_target(device)
     if target is None:
         return launch_plan(kernel, dtype, m, n, "cpu", tensors=tensors, group_heads=group_heads,
-                           pair_tensors=pair_tensors)
+                           pair_tensors=pair_tensors, norm_length=norm_length)
     sm_count, capability = target
     stages = launch_hooks.prefetch_stages()
     plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
                        group_heads=group_heads, fixed_rows=launch_hooks.replayed_rows(kernel),
-                       prefetch_stages=stages, pair_tensors=pair_tensors)
+                       prefetch_stages=stages, pair_tensors=pair_tensors,
+                       norm_length=norm_length)
     if plan.num_ctas > 1 and launch_hooks.cuda_plan_target() is None:
         resident = _RESIDENT_CLUSTERS.get(
             (kernel, cuda_index(device), plan.num_ctas, plan.num_warps))
         if resident is not None and plan.programs > resident:
             plan = launch_plan(kernel, dtype, m, n, "cuda", sm_count, tensors, capability,
                                resident_limit=resident, group_heads=group_heads,
-                               prefetch_stages=stages, pair_tensors=pair_tensors)
+                               prefetch_stages=stages, pair_tensors=pair_tensors,
+                               norm_length=norm_length)
     return plan
 
 

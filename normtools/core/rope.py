@@ -182,8 +182,10 @@ def launch_shape(kernel, n_tokens, hq, hk, head_dim, per_layer, dtype, device):
     else:
         tensors = ((triton.cdiv(hq, block_hq), min(block_hq, hq)),
                    (triton.cdiv(hk, block_hk), min(block_hk, hk)))
+    # per head a tile holds whole heads, and a head is what is normalized: one pass
     plan = plan_for(kernel, dtype, n_tokens, row, device, tensors=tensors,
-                    group_heads=not per_layer, pair_tensors=True)
+                    group_heads=not per_layer, pair_tensors=True,
+                    norm_length=row if per_layer else 2 * block_half)
     return plan, block_hq, block_hk, block_half
 
 
