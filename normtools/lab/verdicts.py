@@ -116,6 +116,34 @@ def verdict_text(result: dict, unit: str = "", fmt: str = "{:+.3g}") -> str:
     return f"{result['verdict']}: {interval}, sign test p = {result['p_sign']:.2g} (n = {result['n']})"
 
 
+def compare_run_times(before_seconds, after_seconds, before_losses, after_losses,
+                      thresholds: dict | None = None) -> dict:
+    """Two versions of the code timed on the same runs (one value per run, same order):
+    :func:`compare_paired` of log10(after / before) over the runs that trained every step in
+    both, i.e. whose final loss is finite in both (a diverged run stops early, so its seconds
+    time less work). Adds ``ratio``, ``ratio_low`` and ``ratio_high``: 10 to the effect and to
+    its interval, the geometric mean of after ÷ before per run."""
+    runs = list(zip(before_seconds, after_seconds, before_losses, after_losses))
+    if not runs:
+        raise ValueError("no runs to compare")
+    both = [(b, a) for b, a, loss_b, loss_a in runs
+            if math.isfinite(loss_b) and math.isfinite(loss_a)]
+    if not both:
+        raise ValueError(f"none of the {len(runs)} runs trained every step in both versions")
+    result = compare_paired(*zip(*both), log=True, thresholds=thresholds)
+    return {**result, **{name: 10 ** result[key] for name, key in
+                         (("ratio", "effect"), ("ratio_low", "ci_low"), ("ratio_high", "ci_high"))}}
+
+
+def run_time_text(result: dict) -> str:
+    """One line for a chapter from :func:`compare_run_times`: "0.62× [0.60, 0.64], sign test
+    p = 0.002 over 20 runs: faster" (slower, or no change shown)."""
+    words = {"lower": "faster", "higher": "slower", "not shown": "no change shown"}
+    return (f"{result['ratio']:.2f}× [{result['ratio_low']:.2f}, {result['ratio_high']:.2f}], "
+            f"sign test p = {result['p_sign']:.2g} over {result['n']} runs: "
+            f"{words[result['verdict']]}")
+
+
 def paired_by_seed(table, metric: str, baseline: dict, arm: dict, min_seeds: int = 2):
     """(baseline values, arm values) of ``metric`` for the seeds present in both selections of
     ``table`` (rows whose columns equal each dict's values, e.g. ``{"variant": "Pre-LN",

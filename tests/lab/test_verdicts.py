@@ -60,6 +60,34 @@ def test_verdict_needs_the_interval_and_the_sign_test():
     assert logs["effect"] == pytest.approx(-2.0) and logs["verdict"] == "lower"
 
 
+def test_run_times_pair_the_runs_that_trained_in_both():
+    """After ÷ before per run, over the runs whose final loss is finite in both versions: a
+    run that diverged in either (its seconds time fewer steps) is left out of both sides; the
+    ratio is the geometric mean of the kept runs' after / before (scipy's gmean), its interval
+    10 to compare_paired's, and the line says faster, slower or no change."""
+    rng = np.random.default_rng(1)
+    before = rng.uniform(50.0, 70.0, size=12)
+    after = before * rng.uniform(0.58, 0.62, size=12)
+    losses = np.full(12, 2.5)
+    after_losses = losses.copy()
+    after_losses[3] = math.nan      # diverged after the change: stopped early, looks fast
+    after[3] = 1.0
+    losses_before = losses.copy()
+    losses_before[7] = math.inf     # diverged before the change
+    before[7] = 1.0
+    result = verdicts.compare_run_times(before, after, losses_before, after_losses)
+    kept = [i for i in range(12) if i not in (3, 7)]
+    assert result["n"] == len(kept)
+    assert result["ratio"] == pytest.approx(stats.gmean(after[kept] / before[kept]), rel=1e-12)
+    assert result["ratio_low"] < result["ratio"] < result["ratio_high"] < 1
+    assert result["verdict"] == "lower"
+    assert verdicts.run_time_text(result).endswith(f"over {len(kept)} runs: faster")
+    same = verdicts.compare_run_times(before, before * rng.uniform(0.95, 1.05, 12), losses, losses)
+    assert verdicts.run_time_text(same).endswith("no change shown")
+    with pytest.raises(ValueError, match="none of the 2 runs"):
+        verdicts.compare_run_times([1.0, 2.0], [1.0, 2.0], [math.nan, 1.0], [1.0, math.nan])
+
+
 def test_paired_by_seed_pairs_the_common_seeds_in_order():
     table = pd.DataFrame({"variant": ["a"] * 3 + ["b"] * 3, "lr": [0.1] * 6,
                           "seed": [0, 1, 2, 2, 0, 3], "x": [1.0, 2.0, 3.0, 30.0, 10.0, 99.0]})
