@@ -5,8 +5,9 @@
 * The chapters' sizes (normtools.book.sizes): the cpu ones never shrunk, the gpu ones divided by
   gpu_shrink within their floors, models still buildable.
 * Every chapter with a gpu_shrink parameter executed at size="gpu", gpu_shrink=64 on the CPU
-  (two at a time in two processes, into a temporary folder): it runs to the end. About 95-105 s
-  for the eight chapters on 2 cores; a chapter with a size but no gpu_shrink parameter fails.
+  (two at a time in two processes, into a temporary folder): it runs to the end. About 125 s for
+  the eight chapters alone on 2 cores (chapter 4a's live studies 90 s of it), about 230 s beside
+  the other worker of `make test`; a chapter with a size but no gpu_shrink parameter fails.
 """
 
 import contextlib
