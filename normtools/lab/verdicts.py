@@ -123,9 +123,11 @@ def compare_run_times(before_seconds, after_seconds, before_losses, after_losses
     both, i.e. whose final loss is finite in both (a diverged run stops early, so its seconds
     time less work). Adds ``ratio``, ``ratio_low`` and ``ratio_high``: 10 to the effect and to
     its interval, the geometric mean of after ÷ before per run."""
-    runs = list(zip(before_seconds, after_seconds, before_losses, after_losses))
-    if not runs:
-        raise ValueError("no runs to compare")
+    columns = [list(c) for c in (before_seconds, after_seconds, before_losses, after_losses)]
+    if len({len(c) for c in columns}) != 1 or not columns[0]:
+        raise ValueError(f"one time and one final loss per run and version, got "
+                         f"{[len(c) for c in columns]} values")
+    runs = list(zip(*columns))
     both = [(b, a) for b, a, loss_b, loss_a in runs
             if math.isfinite(loss_b) and math.isfinite(loss_a)]
     if not both:

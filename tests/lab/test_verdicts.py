@@ -84,6 +84,8 @@ def test_run_times_pair_the_runs_that_trained_in_both():
     assert verdicts.run_time_text(result).endswith(f"over {len(kept)} runs: faster")
     same = verdicts.compare_run_times(before, before * rng.uniform(0.95, 1.05, 12), losses, losses)
     assert verdicts.run_time_text(same).endswith("no change shown")
+    with pytest.raises(ValueError, match=r"got \[3, 2, 3, 3\] values"):
+        verdicts.compare_run_times([1.0, 2.0, 3.0], [1.0, 2.0], losses[:3], losses[:3])
     with pytest.raises(ValueError, match="none of the 2 runs"):
         verdicts.compare_run_times([1.0, 2.0], [1.0, 2.0], [math.nan, 1.0], [1.0, math.nan])
 
