@@ -20,6 +20,7 @@ analytic float32 gradient (``*_backward_reference``).
 Inputs are checked (normtools.core.validate) before anything runs.
 """
 
+import functools
 import os
 from typing import Optional
 
@@ -139,6 +140,61 @@ def _rms_norm_torch_backward(dy, summed, weight, rstd, dsum, offset):
     return (dx if dsum is None else dx.add_(dsum)), dw
 
 
+def _second_derivative_refused(name):
+    return RuntimeError(f"normtools.{name} is differentiable once: a gradient of its gradient "
+                        f"(double backward, create_graph=True) is not computed; differentiate "
+                        f"its reference in normtools.core.reference instead")
+
+
+def differentiable_once(backward_op, name):
+    """Give the custom op ``backward_op``, the backward of normtools' ``name``, an autograd
+    formula that raises: its gradient would be a second derivative of the norm, which normtools
+    does not compute. Without one, a gradient of a gradient (``create_graph=True``) failed with
+    PyTorch's note to the op's author, after the kernels had run."""
+    def backward(ctx, *grads):
+        raise _second_derivative_refused(name)
+    backward_op.register_autograd(backward)
+
+
+class _SecondDerivativeRefused(torch.autograd.Function):
+    """The results of a norm's backward, unchanged, with a gradient that raises: ``anchors``
+    are the tensors they depend on that require a gradient (the saved input, the incoming
+    gradient), so that a second derivative through the norm reaches this node."""
+
+    @staticmethod
+    def forward(ctx, name, n_anchors, *tensors):
+        ctx.name = name
+        return tuple(t.view_as(t) for t in tensors[n_anchors:])
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise _second_derivative_refused(ctx.name)
+
+
+def once_differentiable_norm(name):
+    """Decorate the backward of a torch-backend autograd node of normtools' ``name`` (as
+    PyTorch's ``once_differentiable``, with this library's message): it runs without
+    recording, and under ``create_graph=True`` its results carry a gradient that raises. The
+    analytic backwards take the saved inverse RMS as a constant, so differentiating what they
+    record would give a second derivative off by about its own size, silently."""
+    def decorate(backward):
+        @functools.wraps(backward)
+        def wrapper(ctx, *grads):
+            if not torch.is_grad_enabled():     # an ordinary backward: nothing to record
+                return backward(ctx, *grads)
+            with torch.no_grad():
+                results = backward(ctx, *grads)
+            anchors = [t for t in (*ctx.saved_tensors, *grads)
+                       if isinstance(t, torch.Tensor) and t.requires_grad]
+            if not anchors:
+                return results
+            refused = iter(_SecondDerivativeRefused.apply(
+                name, len(anchors), *anchors, *[r for r in results if r is not None]))
+            return tuple(None if r is None else next(refused) for r in results)
+        return wrapper
+    return decorate
+
+
 @torch.library.custom_op("normtools::rms_norm_fwd", mutates_args=())
 def _rms_norm_fwd(x: Tensor, residual: Optional[Tensor], weight: Optional[Tensor], eps: float,
                   offset: float, casting: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -193,6 +249,7 @@ def _rms_norm_backward(ctx, dy, dsum, drstd):
 
 
 _rms_norm_fwd.register_autograd(_rms_norm_backward, setup_context=_rms_norm_setup_context)
+differentiable_once(_rms_norm_bwd, "rms_norm")
 
 
 class _TorchRMSNorm(torch.autograd.Function):
@@ -222,6 +279,7 @@ class _TorchRMSNorm(torch.autograd.Function):
         return y if residual is None else (y, summed)
 
     @staticmethod
+    @once_differentiable_norm("rms_norm")
     def backward(ctx, dy, dsummed=None):
         summed, weight, rstd = ctx.saved_tensors
         dx, dw = _rms_norm_torch_backward(dy, summed, weight, rstd,
@@ -242,6 +300,7 @@ class _TorchRMSNormPair(torch.autograd.Function):
         return q_out, k_out
 
     @staticmethod
+    @once_differentiable_norm("qk_norm")
     def backward(ctx, dq_out, dk_out):
         q, k, q_weight, k_weight, q_rstd, k_rstd = ctx.saved_tensors
         dq, dq_weight = rms_norm_backward_reference(dq_out, q, q_weight, q_rstd, ctx.offset)
@@ -431,6 +490,7 @@ def _layer_norm_backward(ctx, dy, dmean, drstd):
 
 
 _layer_norm_fwd.register_autograd(_layer_norm_backward, setup_context=_layer_norm_setup_context)
+differentiable_once(_layer_norm_bwd, "layer_norm")
 
 
 class _TorchLayerNorm(torch.autograd.Function):
@@ -449,6 +509,7 @@ class _TorchLayerNorm(torch.autograd.Function):
         return layer_norm_apply(x, mean, rstd, weight, bias)
 
     @staticmethod
+    @once_differentiable_norm("layer_norm")
     def backward(ctx, dy):
         x, weight, bias, mean, rstd = ctx.saved_tensors
         return (*layer_norm_backward_reference(dy, x, weight, bias, mean, rstd), None)

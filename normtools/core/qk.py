@@ -35,7 +35,7 @@ from torch import nn
 from normtools.core import validate
 from normtools._kernels import qk_norm as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend, sum_partials
-from normtools.core.ops import runs_torch_math, torch_rms_norm_pair
+from normtools.core.ops import differentiable_once, runs_torch_math, torch_rms_norm_pair
 from normtools.core.reference import (rms_norm_backward_reference, rms_norm_native_with_rstd,
                                       rms_norm_output_dtype)
 
@@ -72,14 +72,16 @@ def _fits(x, head_dim, heads, headed):
     return x.shape[-1] % head_dim == 0 and heads in (None, x.shape[-1] // head_dim)
 
 
-def _resolve_layout(q, k, head_dim, q_heads, k_heads):
+def _resolve_layout(q, k, head_dim, q_heads, k_heads, layouts=(True, False)):
     """True for the (..., H, head_dim) layout, False for (..., H*head_dim).
 
-    q and k share one layout and their leading (token) dimensions. The headed reading is tried
-    first; the two readings differ only when the last dimension equals head_dim, and then
-    the result is the same unless a weight pins the number of heads, which picks the reading.
+    q and k share one layout and their leading (token) dimensions. The readings are tried in
+    the order of ``layouts`` (True: headed); they differ only when the last dimension equals
+    head_dim (one head per token in the flat reading), and then QK-Norm's result is the same
+    unless a weight pins the number of heads, which picks the reading. (RoPE's is not: its
+    tables follow the tokens, so ``rope.qk_norm_rope`` lets them decide.)
     """
-    for headed in (True, False):
+    for headed in layouts:
         lead = 2 if headed else 1
         if (_fits(q, head_dim, q_heads, headed) and _fits(k, head_dim, k_heads, headed)
                 and q.shape[:-lead] == k.shape[:-lead]):
@@ -91,11 +93,13 @@ def _resolve_layout(q, k, head_dim, q_heads, k_heads):
         f"{k_heads or 'any'})")
 
 
-def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, casting, backend):
+def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, casting, backend,
+                    layouts=(True, False)):
     """Validate the arguments of ``qk_norm``; return (headed, Hq, Hk).
 
-    ``headed`` is True for the (..., H, head_dim) layout. Raises TypeError / ValueError naming
-    the bad argument, before anything is launched.
+    ``headed`` is True for the (..., H, head_dim) layout, the first of ``layouts`` that fits
+    (``_resolve_layout``). Raises TypeError / ValueError naming the bad argument, before
+    anything is launched.
     """
     validate.check_input(q, "q")
     validate.check_input(k, "k")
@@ -114,7 +118,7 @@ def check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, cast
         raise ValueError(f"head_dim must be a positive int, got {head_dim!r}")
     q_heads = _weight_heads(q_weight, head_dim, scope, "q_weight")
     k_heads = _weight_heads(k_weight, head_dim, scope, "k_weight")
-    headed = _resolve_layout(q, k, head_dim, q_heads, k_heads)
+    headed = _resolve_layout(q, k, head_dim, q_heads, k_heads, layouts)
     hq, hk = (q.shape[-2], k.shape[-2]) if headed else (q.shape[-1] // head_dim,
                                                         k.shape[-1] // head_dim)
     if hq == 0 or hk == 0 or hq % hk:
@@ -141,7 +145,7 @@ def norm_rows(x, head_dim, headed, per_layer):
     head (x itself where its layout already is its rows)."""
     if per_layer:
         return x.flatten(-2) if headed else x
-    return x if headed else x.view(*x.shape[:-1], -1, head_dim)
+    return x if headed else x.view(*x.shape[:-1], x.shape[-1] // head_dim, head_dim)
 
 
 def rows_as_heads(y, head_dim, per_layer):
@@ -338,6 +342,7 @@ def _backward(ctx, dqy, dky, _d_q_rstd, _d_k_rstd):
 
 
 _qk_norm_fwd.register_autograd(_backward, setup_context=_setup_context)
+differentiable_once(_qk_norm_bwd, "qk_norm")
 
 
 # ----------------------------------------------------------------------------- public API

@@ -27,7 +27,8 @@ import triton.language as tl
 
 from normtools._kernels import qk_norm_rope as _k
 from normtools.core.launcher import as_rows, kernel_for, plan_for, resolve_backend
-from normtools.core.ops import records_analytic_node, runs_torch_math
+from normtools.core.ops import (differentiable_once, once_differentiable_norm,
+                                records_analytic_node, runs_torch_math)
 from normtools.core.qk import (check_qk_inputs, norm_rows, row_lens, rows_as_heads,
                                torch_backward, torch_forward, torch_qk_norm_heads,
                                weight_grads_from_partials)
@@ -72,6 +73,15 @@ def _check_rope_tables(cos, sin, q, head_dim, token_shape):
         raise TypeError(f"sin has dtype {sin.dtype}, expected cos's dtype {cos.dtype}")
     if head_dim % 2:
         raise ValueError(f"RoPE rotates pairs of channels: head_dim must be even, got {head_dim}")
+
+
+def _tables_fit(cos, sin, q, head_dim, token_shape):
+    """Whether ``_check_rope_tables`` takes cos and sin for q's tokens ``token_shape``."""
+    try:
+        _check_rope_tables(cos, sin, q, head_dim, token_shape)
+    except ValueError:
+        return False
+    return True
 
 
 def _dtypes(x_dtype, weight_dtype, casting, table_dtype, cast_back):
@@ -121,6 +131,7 @@ class _TorchQKNormRope(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
+    @once_differentiable_norm("qk_norm_rope")
     def backward(ctx, dq_out, dk_out):
         q_rows, k_rows, q_weight, k_weight, cos_heads, sin_heads, q_rstd, k_rstd = \
             ctx.saved_tensors
@@ -351,6 +362,7 @@ def _backward(ctx, dqo, dko, _d_q_rstd, _d_k_rstd):
 
 
 _qk_norm_rope_fwd.register_autograd(_backward, setup_context=_setup_context)
+differentiable_once(_qk_norm_rope_bwd, "qk_norm_rope")
 
 
 # ----------------------------------------------------------------------------- public API
@@ -366,20 +378,33 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scop
     head, as transformers' ``apply_rotary_pos_emb``, computed in dtype
     promote(rms_norm_output_dtype(x, w, casting), cos.dtype). Returns (q_out, k_out) with the
     input shapes, in that dtype, or in the norm's output dtype with ``cast_back=True`` (OLMo 2).
+
+    A q whose last dimension is head_dim reads two ways: (..., H, head_dim), tokens q.shape[:-2],
+    or one head per token, tokens q.shape[:-1]. The first is taken when the tables fit its
+    tokens, else the second; where the tables fit both (q (B, S, head_dim), cos (S, head_dim)
+    and B = S), pass one head as (B, S, 1, head_dim).
     """
+    if not isinstance(cast_back, bool):
+        raise TypeError(f"cast_back must be True or False, got {cast_back!r}")
     headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset,
                                    casting, backend)
+    if headed and not _tables_fit(cos, sin, q, head_dim, q.shape[:-2]):
+        try:    # one head per token in the flat layout, if its tokens are the tables'
+            headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope,
+                                           offset, casting, backend, layouts=(False,))
+        except ValueError:
+            pass    # not that either: the tables' error below says what does not fit
     token_shape = q.shape[:-2] if headed else q.shape[:-1]
     _check_rope_tables(cos, sin, q, head_dim, token_shape)
     if runs_torch_math(q, backend):
         return _torch_qk_norm_rope(q, k, q_weight, k_weight, cos.unsqueeze(-2), sin.unsqueeze(-2),
                                    float(eps), head_dim, headed, scope == "per_layer",
-                                   float(offset), casting, bool(cast_back))
+                                   float(offset), casting, cast_back)
     q2d = as_rows(q.flatten(-2) if headed else q)
     k2d = as_rows(k.flatten(-2) if headed else k)
     cos2d = as_rows(cos.expand(*token_shape, head_dim))
     sin2d = as_rows(sin.expand(*token_shape, head_dim))
     qo, ko, _, _ = _qk_norm_rope_fwd(q2d, k2d, q_weight, k_weight, cos2d, sin2d, head_dim,
                                      scope == "per_layer", float(eps), float(offset), casting,
-                                     bool(cast_back), resolve_backend(backend, q.device))
+                                     cast_back, resolve_backend(backend, q.device))
     return qo.view(q.shape), ko.view(k.shape)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from normtools.core import qk as _qk
 from normtools.core.launcher import as_rows
+from normtools.core.ops import once_differentiable_norm
 from normtools.core.reference import rms_norm_apply
 
 __all__ = [
@@ -154,6 +155,7 @@ class _PerLayerQKNorm(torch.autograd.Function):
                 rms_norm_apply(k, k_rstd, k_weight, offset, casting))
 
     @staticmethod
+    @once_differentiable_norm("tp.qk_norm")
     def backward(ctx, dqy, dky):
         q, k, q_weight, k_weight, q_rstd, k_rstd = ctx.saved_tensors
         q_terms = _backward_terms(q, q_weight, q_rstd, dqy, ctx.offset)
