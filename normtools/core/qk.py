@@ -388,6 +388,10 @@ class QKNorm(nn.Module):
         super().__init__()
         if scope not in SCOPES:
             raise ValueError(f"unknown scope {scope!r}; expected one of {', '.join(SCOPES)}")
+        validate.check_eps(eps)     # at construction, as RMSNorm's, not at the first call
+        validate.check_offset(offset)
+        validate.check_casting(casting)
+        validate.check_backend(backend)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if scope == "per_layer":
             q_shape, k_shape = (num_heads * head_dim,), (num_kv_heads * head_dim,)

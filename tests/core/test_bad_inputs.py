@@ -150,3 +150,12 @@ def test_cast_back_must_be_a_bool(cast_back):
     with pytest.raises(TypeError, match="cast_back must be True or False"):
         normtools.qk_norm_rope(x, x, torch.ones(16), torch.ones(16), tables, tables,
                                head_dim=16, cast_back=cast_back)
+
+
+@pytest.mark.parametrize("argument, match", [({"eps": -1.0}, "eps"), ({"offset": float("nan")},
+                                             "offset"), ({"casting": "gemma2"}, "casting"),
+                                            ({"backend": "cuda"}, "backend")])
+def test_qk_norm_module_refuses_bad_settings_at_construction(argument, match):
+    """As normtools.RMSNorm does: not at the first forward call."""
+    with pytest.raises(ValueError, match=match):
+        normtools.QKNorm(16, 4, 2, **argument)
