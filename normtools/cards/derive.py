@@ -5,6 +5,7 @@ import contextlib
 
 from normtools.cards.types import (SUPPORTED_MODEL_TYPES, ModelNormSpec, NormSpec, OtherNorm,
                                    ProjectionBiases, QKNormSpec, SpecError)
+from normtools.core.validate import check_eps
 
 
 def transformers_config(config):
@@ -31,6 +32,7 @@ def transformers_config(config):
     if config.model_type == "gemma3":  # multimodal wrapper: the norms live in the text model
         config = config.text_config
     _check_sizes(config)
+    _check_eps(config)
     return config, unconfirmed
 
 
@@ -56,6 +58,23 @@ def _check_sizes(c) -> None:
     if heads and kv_heads and heads % kv_heads:
         raise SpecError(f"{c.model_type} config: num_key_value_heads {kv_heads} does not divide "
                         f"num_attention_heads {heads}")
+
+
+# The norm eps keys the family rules read; each, where the config has it, must pass
+# normtools.core.validate.check_eps (a finite real number, at least float32's smallest normal one).
+EPS_FIELDS = ("rms_norm_eps", "layer_norm_eps")
+
+
+def _check_eps(c) -> None:
+    """:class:`SpecError` naming the key for an eps of ``EPS_FIELDS`` that ``check_eps`` rejects."""
+    for field in EPS_FIELDS:
+        value = getattr(c, field, None)
+        if value is None:
+            continue
+        try:
+            check_eps(value)
+        except (TypeError, ValueError) as e:
+            raise SpecError(f"{c.model_type} config: {field}: {e}") from None
 
 
 def build_model(config, *, device=None):

@@ -212,6 +212,71 @@ def test_reprobe_flag_shows_no_change_for_a_current_family_and_cards_name_the_re
     assert code == 2 and "not probed" in err and reason.split(":")[0] in err
 
 
+def test_refresh_of_named_families_replaces_only_their_rows(capsys, committed, tmp_path):
+    copy = tmp_path / "atlas.json"
+    atlas.save_atlas(committed, copy)
+    code, _, _ = run_cli(capsys, "atlas", "--refresh", "--reprobe", "llama", "--atlas", str(copy))
+    assert code == 0
+    written = atlas.load_atlas(copy)
+    assert written["not_probed"] == committed["not_probed"]
+    assert written["families"].keys() == committed["families"].keys()
+    assert all(written["families"][t] == row for t, row in committed["families"].items() if t != "llama")
+    assert written["families"]["llama"]["spec"] == committed["families"]["llama"]["spec"]
+
+
+def test_refresh_of_named_families_refuses_an_atlas_of_another_transformers(capsys, committed, tmp_path):
+    """Rows probed by two transformers versions must not share a file that names one."""
+    copy = tmp_path / "atlas.json"
+    atlas.save_atlas({**committed, "transformers": "0.0.1"}, copy)
+    before = copy.read_text()
+    code, out, err = run_cli(capsys, "atlas", "--refresh", "--reprobe", "llama", "--atlas", str(copy))
+    assert code == 2 and out == "" and err.count("\n") == 1 and "0.0.1" in err
+    assert copy.read_text() == before
+
+
+@pytest.mark.parametrize("flags", [["--compare", "OTHER", "--refresh"], ["--compare", "OTHER", "--reprobe", "llama"],
+                                   ["--compare", "OTHER", "--json"], ["--json", "--reprobe", "llama"]])
+def test_atlas_flags_that_ask_for_two_things_are_refused(capsys, committed, tmp_path, flags):
+    copy, other = tmp_path / "atlas.json", tmp_path / "other.json"
+    atlas.save_atlas(committed, copy)
+    atlas.save_atlas({**committed, "families": {}}, other)
+    argv = [str(other) if f == "OTHER" else f for f in flags]
+    code, out, err = run_cli(capsys, "atlas", *argv, "--atlas", str(copy))
+    named = [f for f in flags if f.startswith("--")]
+    assert code == 2 and out == "" and err.count("\n") == 1 and all(f in err for f in named)
+
+
+def test_reprobe_refuses_a_name_that_is_not_a_causal_lm_model_type(capsys):
+    assert "llama" in atlas.causal_lm_model_types() and "lama" not in atlas.causal_lm_model_types()
+    code, out, err = run_cli(capsys, "atlas", "--reprobe", "llama", "lama")
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "--reprobe: lama: not a causal-LM model type" in err
+
+
+@pytest.mark.parametrize("flag", ["--atlas", "--compare"])
+@pytest.mark.parametrize("break_llama, missing", [
+    (lambda row: row.pop("spec"), "spec"),
+    (lambda row: row["probe"].pop("tiny_config"), "tiny_config"),
+    (lambda row: row["spec"].pop("block_norm"), "block_norm"),
+])
+def test_a_malformed_atlas_gives_one_line_naming_the_file_and_the_fault(capsys, committed, tmp_path, flag,
+                                                                       break_llama, missing):
+    broken = json.loads(json.dumps(committed))
+    break_llama(broken["families"]["llama"])
+    path = tmp_path / "broken.json"
+    atlas.save_atlas(broken, path)
+    code, out, err = run_cli(capsys, "atlas", flag, str(path))
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert str(path) in err and "'llama'" in err and missing in err
+
+
+def test_an_atlas_without_probed_families_prints_its_not_probed_ones(capsys, committed, tmp_path):
+    path = tmp_path / "atlas.json"
+    atlas.save_atlas({**committed, "families": {}, "not_probed": {"llama": "a reason"}}, path)
+    code, out, _ = run_cli(capsys, "atlas", "--atlas", str(path))
+    assert code == 0 and "0 families probed, 1 not" in out and "| llama | a reason |" in out
+
+
 def test_qk_weight_shape_is_named_per_scope(committed):
     rows = {r["model_type"]: r for r in atlas.atlas_rows(committed)}
     assert rows["qwen3"]["qk_weight"] == "head_dim"  # Qwen3RMSNorm(self.head_dim)

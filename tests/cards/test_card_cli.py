@@ -88,6 +88,23 @@ def test_bad_input_gives_one_line_and_exit_code_2(capsys, tmp_path, make_bad_inp
         code, out, err = run_cli(capsys, *command)
         assert code == 2 and out == ""
         assert err.count("\n") == 1 and reason in err
+        # an atlas family is offered only for a name that is no file or directory
+        assert ("atlas family" in err) == (not Path(command[-1]).exists())
+
+
+@pytest.mark.parametrize("config, key", [
+    (cards.load_bundled_config("qwen3-8b"), "rms_norm_eps"),
+    (cards.tiny_config("phi"), "layer_norm_eps"),
+])
+@pytest.mark.parametrize("eps_text", ["-1.0", "0.0", "1e400", "NaN", "1e-40"])
+def test_a_config_with_a_bad_eps_gives_one_line_naming_the_key(capsys, tmp_path, config, key, eps_text):
+    """eps must be finite and at least float32's smallest normal number (1.18e-38), as for
+    every normtools op; 1e400 and NaN are what Python's json reads as inf and nan."""
+    text = json.dumps({**config, key: 1e-5}).replace("1e-05", eps_text)
+    for command in (["card", str(_write(tmp_path / "c.json", text))], ["card", str(tmp_path / "c.json"), "--json"]):
+        code, out, err = run_cli(capsys, *command)
+        assert code == 2 and out == ""
+        assert err.count("\n") == 1 and f"{key}: eps must be finite and > 0" in err
 
 
 def test_corrupt_safetensors_gives_one_line(capsys, tmp_path):

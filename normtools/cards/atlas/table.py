@@ -58,20 +58,47 @@ def build_atlas(model_types=None, progress=None) -> dict:
 
 
 ATLAS_KEYS = {"families": dict, "not_probed": dict, "probe_version": int, "transformers": str}
+FAMILY_KEYS = {"spec": dict, "probe": dict}
+PROBE_KEYS = {"qk_norms": dict, "tiny_config": dict}
 
 
 def load_atlas(path=None) -> dict:
     """The committed atlas (``normtools/cards/data/atlas.json``) or the one at ``path``;
-    :class:`SpecError` for a file that is not JSON or lacks a key of ``ATLAS_KEYS``."""
+    :class:`SpecError` naming the file and the fault for a file that is not JSON, lacks a key of
+    ``ATLAS_KEYS``, has a family without the keys of ``FAMILY_KEYS`` and ``PROBE_KEYS`` or whose
+    spec is not a norm card, or a not-probed reason that is not a string."""
+    name = ATLAS_FILE if path is None else path
     text = ATLAS_FILE.read_text() if path is None else open(path, encoding="utf-8").read()
     try:
         atlas = json.loads(text)
     except (ValueError, RecursionError) as e:
-        raise SpecError(f"{path}: not valid JSON ({str(e)[:200]})") from None
-    if not (isinstance(atlas, dict) and all(isinstance(atlas.get(k), t) for k, t in ATLAS_KEYS.items())):
-        raise SpecError(f"{path}: not a norm atlas (a JSON object with "
-                        f"{', '.join(f'{k} ({t.__name__})' for k, t in ATLAS_KEYS.items())})")
+        raise SpecError(f"{name}: not valid JSON ({str(e)[:200]})") from None
+    if not (isinstance(atlas, dict) and _has_keys(atlas, ATLAS_KEYS)):
+        raise SpecError(f"{name}: not a norm atlas (a JSON object with {_key_list(ATLAS_KEYS)})")
+    for model_type, row in atlas["families"].items():
+        if not (isinstance(row, dict) and _has_keys(row, FAMILY_KEYS) and _has_keys(row["probe"], PROBE_KEYS)):
+            raise SpecError(f"{name}: family {model_type!r} is not an atlas row (an object with "
+                            f"{_key_list(FAMILY_KEYS)}; probe with {_key_list(PROBE_KEYS)})")
+        try:
+            ModelNormSpec.from_dict(row["spec"])
+        except KeyError as e:
+            raise SpecError(f"{name}: family {model_type!r}: spec lacks {e}") from None
+        except (TypeError, ValueError, AttributeError) as e:
+            raise SpecError(f"{name}: family {model_type!r}: spec is not a norm card ({e})") from None
+    for model_type, reason in atlas["not_probed"].items():
+        if not isinstance(reason, str):
+            raise SpecError(f"{name}: not_probed {model_type!r}: the reason must be a string, got {str(reason)[:40]}")
     return atlas
+
+
+def _has_keys(d: dict, keys: dict) -> bool:
+    """Whether ``d`` has each key of ``keys`` with a value of its type."""
+    return all(isinstance(d.get(k), t) for k, t in keys.items())
+
+
+def _key_list(keys: dict) -> str:
+    """``keys`` in words: "spec (dict), probe (dict)"."""
+    return ", ".join(f"{k} ({t.__name__})" for k, t in keys.items())
 
 
 def save_atlas(atlas: dict, path=None) -> None:
