@@ -39,6 +39,22 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    """An argparse ``type``: an integer ≥ 0 (a count of warm-up samples)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{text} is negative")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """An argparse ``type``: a finite number > 0 (a time budget in seconds)."""
+    value = float(text)
+    if not (0 < value < float("inf")):
+        raise ValueError(f"{text} is not a positive finite number")
+    return value
+
+
 def device_name(text: str) -> str:
     """An argparse ``type``: "auto" or a device torch knows (cpu, cuda, cuda:N, ...)."""
     import torch

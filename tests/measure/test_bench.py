@@ -16,6 +16,7 @@ import torch
 import normtools
 from normtools.measure import bench
 from normtools.measure.bench import timing
+from normtools.measure.bench.results import read_results
 from normtools.cli import main as cli_main
 
 REPO = Path(__file__).resolve().parents[2]
@@ -283,12 +284,13 @@ def test_targets_report_on_hand_made_results(tmp_path):
     liger = report[("speedup vs liger ≥ 1.0", "rms_norm", "M=4096 N=4096")]
     assert liger["passed"] is None and "not installed" in liger["note"]
     assert len(report) == 6
-    stored = tmp_path / "gpu.json"
-    stored.write_text(json.dumps(data))
-    assert bench.targets_report(stored) == bench.targets_report(data)
-    summary = bench.markdown_summary({**data, "copy_bandwidth_gbs": 4000.0, "conditions": {
+    complete = {**data, "copy_bandwidth_gbs": 4000.0, "conditions": {
         "device": "cuda", "python": "3.12", "dtype": "bfloat16", "warmup": 10, "reps": 100,
-        "utc": "now", "gpu": {"name": "NVIDIA H200"}}})
+        "utc": "now", "gpu": {"name": "NVIDIA H200"}}}
+    stored = tmp_path / "gpu.json"
+    stored.write_text(json.dumps(complete))
+    assert bench.targets_report(stored) == bench.targets_report(data)
+    summary = bench.markdown_summary(complete)
     assert "NVIDIA H200" in summary
     assert "3 passed, 2 missed, 1 without data" in summary
 
@@ -384,3 +386,99 @@ def test_targets_report_keeps_warm_and_rotated_decode_apart():
     assert report["M=64 N=4096, decode, rotated"]["passed"] is True
     # no bandwidth target on a launch-bound real shape
     assert all(r["target"].startswith("speedup") for r in report.values())
+
+
+@pytest.fixture
+def no_timing(monkeypatch):
+    """The sweep and the CPU table replaced by stand-ins that fail: nothing may be timed."""
+    from normtools.measure.bench import cli, cpu_table
+
+    def ran(*args, **kwargs):
+        raise AssertionError("timed something")
+
+    monkeypatch.setattr(cli, "run_sweep", ran)
+    monkeypatch.setattr(cpu_table, "run_cpu_table", ran)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--warmup", "-1"], "--warmup"), (["--reps", "0"], "--reps"), (["--reps", "-3"], "--reps"),
+    (["--budget-s", "-1"], "--budget-s"), (["--budget-s", "nan"], "--budget-s"),
+    (["--budget-s", "inf"], "--budget-s"), (["--budget-s", "0"], "--budget-s"),
+    (["--cases", "gpu-run", "--phases", "bogus"], "--phases"),
+    (["--phases", "sweep"], "--phases"),
+    (["--report", "{results}", "--cpu-table"], "--cpu-table"),
+    (["--report", "{results}", "--device", "cpu", "--dtype", "float16", "--ops", "layer_norm"],
+     "--device, --dtype, --ops"),
+    (["--report", "{results}", "--warmup", "0"], "--warmup"),
+    (["--report", "{results}", "--dry-run"], "--dry-run"),
+    (["--cpu-table", "--quick", "--device", "cpu", "--dtype", "float16", "--ops", "layer_norm",
+      "--backends", "liger", "--timer", "wall", "--processes", "4"],
+     "--device, --dtype, --ops, --backends, --timer, --processes"),
+    (["--cpu-table", "--dry-run"], "--dry-run"),
+    (["--dry-run", "--device", "cpu", "--timer", "events"], "timer 'events' does not apply to cpu"),
+    (["--device", "cpu", "--timer", "events"], "timer 'events' does not apply to cpu"),
+    (["--device", "meta"], "--device"), (["--device", "mps"], "--device"),
+    (["--device", "cpu", "--summary", "{dir}"], "--summary"),
+    (["--device", "cpu", "--out", "{dir}"], "--out"),
+    (["--device", "cpu", "--out", "{file}/r.json"], "--out"),
+    (["--cpu-table", "--out", "{dir}"], "--out"),
+])
+def test_cli_refuses_bad_options_before_any_work(no_timing, capsys, tmp_path, argv, named):
+    (tmp_path / "results.json").write_text("{}")
+    (tmp_path / "file").write_text("")
+    paths = {"results": tmp_path / "results.json", "dir": tmp_path, "file": tmp_path / "file"}
+    argv = [arg.format(**paths) for arg in argv]
+    assert cli_main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("normtools bench: error: ") and named in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_cpu_table_gets_the_counts_given_and_its_own_defaults(monkeypatch, tmp_path):
+    from normtools.measure.bench import cpu_table
+
+    seen = []
+    monkeypatch.setattr(cpu_table, "run_cpu_table", lambda cases, **kwargs: seen.append(kwargs))
+    monkeypatch.setattr(cpu_table, "cpu_table_markdown", lambda table: "")
+    assert cli_main(["bench", "--cpu-table", "--quick", "--warmup", "0", "--reps", "7",
+                     "--threads", "2"]) == 0
+    assert cli_main(["bench", "--cpu-table", "--quick"]) == 0
+    given, defaults = seen
+    assert (given["warmup"], given["reps"], given["threads"]) == (0, 7, 2)
+    assert not {"warmup", "reps", "threads"} & set(defaults)  # run_cpu_table's own defaults
+
+
+def test_dry_run_shows_the_counts_the_run_uses(quick_results, capsys):
+    conditions = quick_results[0]["conditions"]  # a real run: --device cpu --quick
+    assert cli_main(["bench", "--dry-run", "--device", "cpu", "--quick"]) == 0
+    assert f"{conditions['warmup']} warm-up + {conditions['reps']} samples" \
+        in capsys.readouterr().out
+    warmup, reps = timing._DEFAULT_REPS["cpu"]  # what run_sweep uses without --quick
+    assert cli_main(["bench", "--dry-run", "--device", "cpu", "--ops", "rms_norm"]) == 0
+    assert f"{warmup} warm-up + {reps} samples" in capsys.readouterr().out
+    assert cli_main(["bench", "--dry-run", "--device", "cpu", "--warmup", "0"]) == 0
+    assert f"0 warm-up + {reps} samples" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("where, key", [(None, "copy_bandwidth_gbs"), ("conditions", "device"),
+                                        ("row", "status"), ("row", "shape"), ("ok row", "p50_us")])
+def test_report_names_the_key_a_results_file_lacks(quick_results, tmp_path, capsys, where, key):
+    data = json.loads(quick_results[1].read_text())
+    ok_row = next(row for row in data["results"] if row["status"] == "ok")
+    part = {None: data, "conditions": data["conditions"], "row": data["results"][-1],
+            "ok row": ok_row}[where]
+    del part[key]
+    path = tmp_path / "broken.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=f"{re.escape(str(path))}: .* lacks {key}"):
+        read_results(path)
+    assert cli_main(["bench", "--report", str(path)]) == 2
+    assert f"lacks {key}" in capsys.readouterr().err
+
+
+def test_report_on_a_file_of_empty_parts_names_the_file(tmp_path, capsys):
+    path = tmp_path / "empty-parts.json"
+    path.write_text(json.dumps({"conditions": {}, "results": [{}]}))
+    assert cli_main(["bench", "--report", str(path)]) == 2
+    assert f"{path}: not a normtools bench results file (the file lacks copy_bandwidth_gbs)" \
+        in capsys.readouterr().err

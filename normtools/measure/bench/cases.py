@@ -165,7 +165,11 @@ def real_shape_cases(prefill_tokens=PREFILL_TOKENS, decode_batch=DECODE_BATCH, o
     return sorted(cases, key=lambda case: REAL_SHAPE_ORDER.index(case.op))
 
 
-def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=("first pass", "real shapes", "sweep"),
+#: The phases of a GPU run, in the order they run.
+PHASES = ("first pass", "real shapes", "sweep")
+
+
+def gpu_run_cases(dtype=torch.bfloat16, ops=OPS, phases=PHASES,
                   min_bytes=MIN_CASE_BYTES):
     """All cases of a GPU run in order: first pass, real shapes, then the rest of the sweep."""
     cases = []

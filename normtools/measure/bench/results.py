@@ -20,11 +20,17 @@ _SHAPE_KEYS = ("M", "N", "T", "Hq", "Hk", "D")
 
 
 RESULTS_KEYS = {"conditions": dict, "results": list}
+# The keys the report and load_results read: of the file, its conditions, every row, an ok row.
+REQUIRED_KEYS = {"file": ("copy_bandwidth_gbs",),
+                 "conditions": ("device", "python", "dtype", "warmup", "reps", "utc"),
+                 "row": ("op", "backend", "shape", "status", "reason"),
+                 "ok row": ("p50_us", "pct_of_copy_bw")}
 
 
 def read_results(path) -> dict:
     """The results file ``path`` written by ``normtools bench``; ``ValueError`` for a file that
-    is not JSON or lacks a key of ``RESULTS_KEYS`` (``OSError`` for one that cannot be read)."""
+    is not JSON, lacks a key of ``RESULTS_KEYS`` or one of ``REQUIRED_KEYS`` (``OSError`` for
+    one that cannot be read)."""
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as e:  # JSON and UTF-8 errors are ValueErrors
@@ -33,6 +39,16 @@ def read_results(path) -> dict:
             and all(isinstance(row, dict) for row in data["results"])):
         raise ValueError(f"{path}: not a normtools bench results file (a JSON object with "
                          f"conditions and a list of results)")
+    parts = [("file", "the file", data), ("conditions", "conditions", data["conditions"])]
+    for i, row in enumerate(data["results"]):
+        parts.append(("row", f"results[{i}]", row))
+        if row.get("status") == "ok":
+            parts.append(("ok row", f"results[{i}] (status ok)", row))
+    for kind, where, part in parts:
+        missing = [key for key in REQUIRED_KEYS[kind] if key not in part]
+        if missing:
+            raise ValueError(f"{path}: not a normtools bench results file ({where} lacks "
+                             f"{', '.join(missing)})")
     return data
 
 

@@ -133,6 +133,17 @@ TIMERS = {
 }
 
 
+def timer_for(device, timer=None):
+    """``timer``, or the default of ``device`` ("events" on CUDA, "wall" on CPU); ValueError
+    for one of ``TIMERS`` that does not apply to the device, or none of them."""
+    is_cuda = torch.device(device).type == "cuda"
+    timer = timer or ("events" if is_cuda else "wall")
+    if timer not in TIMERS or (timer != "wall") != is_cuda:
+        raise ValueError(f"timer {timer!r} does not apply to {device}; use "
+                         f"{'events or do_bench' if is_cuda else 'wall'}")
+    return timer
+
+
 def time_calls(calls, device, warmup, reps, timer=None):
     """Per-sample times in µs of calling ``calls[0], calls[1], ...`` in rotation.
 
@@ -144,11 +155,7 @@ def time_calls(calls, device, warmup, reps, timer=None):
     """
     if reps < 1:
         raise ValueError(f"reps must be ≥ 1, got {reps}")
-    is_cuda = torch.device(device).type == "cuda"
-    timer = timer or ("events" if is_cuda else "wall")
-    if timer not in TIMERS or (timer != "wall") != is_cuda:
-        raise ValueError(f"timer {timer!r} does not apply to {device}; use "
-                         f"{'events or do_bench' if is_cuda else 'wall'}")
+    timer = timer_for(device, timer)
     if timer == "events":
         return _time_cuda(calls, warmup, reps)
     if timer == "do_bench":
