@@ -25,14 +25,31 @@ from normtools.lab.data import load_corpus
 REPRODUCTION_RTOL = {"initial_loss": 1e-4, "final_loss": 1e-3}
 
 
-def rerun(document: dict, variant: str | None = None, lr: float | None = None,
-          seed: int | None = None, data=None) -> tuple[dict, dict]:
-    """Train one committed seed of one configuration of a study again (default: the study's
-    ``check`` configuration), on the study's numeric path (torch backend, float32 evaluation of
-    the whole split); returns (the configuration chosen, the re-run's JSON record)."""
+def committed_run(document: dict, variant: str | None = None, lr: float | None = None,
+                  seed: int | None = None) -> dict:
+    """The configuration (variant, lr, seed) a rerun of the study ``document`` trains: its
+    ``check`` configuration with ``variant``, ``lr`` and ``seed`` in place of its own;
+    ``ValueError`` (with the variants, lrs and seeds the document has runs of) unless the
+    document has a run of it, as :func:`compare_rerun` needs."""
     study = studies.get_study(document["study"])
     chosen = {**study.check, **{k: v for k, v in (("variant", variant), ("lr", lr), ("seed", seed))
                                 if v is not None}}
+    runs = [studies._run_key(r) for r in document["runs"]]
+    if not any(v == chosen["variant"] and np.isclose(r, chosen["lr"]) and s == chosen["seed"]
+               for v, r, s in runs):
+        variants, lrs, seeds = (sorted(set(column)) for column in zip(*runs)) if runs else ([],) * 3
+        raise ValueError(f"the committed {document['study']} study has no run of {chosen}; it has "
+                         f"runs of variants {variants}, lrs {lrs}, seeds {seeds}")
+    return chosen
+
+
+def rerun(document: dict, variant: str | None = None, lr: float | None = None,
+          seed: int | None = None, data=None) -> tuple[dict, dict]:
+    """Train one committed seed of one configuration of a study again (:func:`committed_run`,
+    checked before training), on the study's numeric path (torch backend, float32 evaluation of
+    the whole split); returns (the configuration chosen, the re-run's JSON record)."""
+    study = studies.get_study(document["study"])
+    chosen = committed_run(document, variant, lr, seed)
     cell = {**study.variants[chosen["variant"]], "lr": chosen["lr"], "seed": chosen["seed"],
             "variant": chosen["variant"]}
     settings = study.settings(document["size"])
@@ -71,16 +88,23 @@ def rerun_on_committed_path(path: str | Path, variant: str | None = None, lr: fl
     for a study committed on AVX2) a seed's final loss moves by about 1 %, past any float
     tolerance, while on the committed path it is reproduced exactly. Returns (the configuration
     chosen, the re-run's record, the ATen capability the process ran with: the committed one
-    unless this CPU lacks it)."""
+    unless this CPU lacks it). The study and the configuration are checked
+    (:func:`studies.read_study`, :func:`committed_run`) before the process starts; if it fails
+    all the same, ``RuntimeError`` with the last line of its message."""
     path = Path(path)
-    machine = json.loads(path.read_text())["conditions"]["machine"]
+    document = studies.read_study(path)
+    committed_run(document, variant, lr, seed)
+    machine = document["conditions"]["machine"]
     argv = [sys.executable, "-m", "normtools", "lab", "rerun", str(path), "--json",
             "--threads", str(machine["torch_threads"])]
     for flag, value in (("--variant", variant), ("--lr", lr), ("--seed", seed)):
         if value is not None:
             argv += [flag, str(value)]
     env = {**os.environ, **numeric_path_environment(machine)}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if done.returncode:
+        last = done.stderr.strip().splitlines()[-1:] or ["no message"]
+        raise RuntimeError(f"the rerun process exited with code {done.returncode}: {last[0]}")
     out = json.loads(done.stdout)
     return out["chosen"], out["record"], out["aten_cpu_capability"]
 

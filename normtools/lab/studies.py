@@ -235,8 +235,8 @@ def run_init_probe(name: str, out: str | Path | None = None) -> dict:
                        "command": f"normtools lab probe {probe.name}"},
         "complete": False, "runs": []}
     if out is not None and Path(out).exists():
-        existing = json.loads(Path(out).read_text())
-        if existing.get("study") != name or existing["conditions"]["model"] != probe.model:
+        existing = read_study(out, probe=True)
+        if existing["study"] != name or existing["conditions"]["model"] != probe.model:
             raise ValueError(f"{out} holds another probe: move it away or pass another --out")
         document.update(runs=existing["runs"], provenance=existing["provenance"])
         document["conditions"]["wall_seconds"] = existing["conditions"]["wall_seconds"]
@@ -374,10 +374,10 @@ def run_study(name: str, size: str = "cpu", seeds=None, device="cpu",
     settings = study.settings(size, size_settings)
     document = new_document(name, size, seeds, device, size_settings)
     if out is not None and Path(out).exists():
-        existing = json.loads(Path(out).read_text())
+        existing = read_study(out)
         for key in ("study", "size"):
-            if existing.get(key) != document[key]:
-                raise ValueError(f"{out} holds {key}={existing.get(key)!r}, not {document[key]!r}")
+            if existing[key] != document[key]:
+                raise ValueError(f"{out} holds {key}={existing[key]!r}, not {document[key]!r}")
         # the model compared as a TinyLMConfig: a field added since keeps its default
         same = {"model": TinyLMConfig(**existing["conditions"]["model"])
                 == TinyLMConfig(**document["conditions"]["model"]),
@@ -431,11 +431,20 @@ def merge_studies(paths, out: str | Path | None = None) -> dict:
     order, the wall seconds summed, the provenance of the first file. ``ValueError`` unless every
     file holds the same study, size, thresholds and conditions (model, steps, seeds, machine:
     the numeric path a rerun needs) and a run present in two files is the same record in both
-    (whatever its seconds), and every run is a cell of the study. With ``out``, the document is
-    written there."""
-    documents = [json.loads(Path(p).read_text()) for p in paths]
-    if not documents:
+    (whatever its seconds), and every run is a cell of the study; ``ValueError`` too for a file
+    given twice (its wall seconds would count twice) and one that is not a study
+    (:func:`read_study`). With ``out``, the document is written there."""
+    if not paths:
         raise ValueError("no study files to merge")
+    given = {}
+    for path in paths:
+        resolved = Path(path).resolve()
+        if resolved in given:
+            spelled = "" if given[resolved] == path else f" (also as {given[resolved]})"
+            raise ValueError(f"{path} is given twice{spelled}: give each part once, or its wall "
+                             f"seconds count twice")
+        given[resolved] = path
+    documents = [read_study(p) for p in paths]
     first = documents[0]
 
     def fixed(document):
@@ -501,17 +510,68 @@ def _write_study(document: dict, path: str | Path, force: bool = False) -> Path:
     return path
 
 
+#: What :func:`read_study` requires of a study document: the fields of the document and of its
+#: sections (a dotted path), with their types, and those of each of its runs.
+_STUDY_SCHEMA = {"sections": {"": {"study": str, "size": str, "thresholds": dict,
+                                   "conditions": dict, "runs": list},
+                              "conditions": {"model": dict, "steps": int, "seeds": list,
+                                             "n_runs": int, "variants": dict, "machine": dict},
+                              "conditions.machine": {"aten_cpu_capability": str,
+                                                     "torch_threads": int}},
+                 "run": {"variant": str, "lr": (int, float), "seed": int}}
+#: The same of an init probe's document (:func:`run_init_probe`).
+_PROBE_SCHEMA = {"sections": {"": {"study": str, "conditions": dict, "runs": list},
+                              "conditions": {"model": dict}},
+                 "run": {"variant": str, "depth": int}}
+
+
+def read_study(path: str | Path, probe: bool = False) -> dict:
+    """The study document (with ``probe``, the init probe document) in the JSON file at
+    ``path``; ``ValueError`` naming the file unless it is JSON holding every field the lab reads,
+    of its type (:data:`_STUDY_SCHEMA`, :data:`_PROBE_SCHEMA`)."""
+    path = Path(path)
+    kind, schema = ("an init probe", _PROBE_SCHEMA) if probe else ("a study", _STUDY_SCHEMA)
+    try:
+        document = json.loads(path.read_text())
+    except (ValueError, RecursionError) as e:  # ValueError: JSON and Unicode errors
+        raise ValueError(f"{path} is not JSON: {e}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"{path} is not {kind}: it holds a JSON {type(document).__name__}, "
+                         f"not an object")
+    wrong = []
+    for section, fields in schema["sections"].items():  # a section missing is its parent's fault
+        holder = document
+        for key in filter(None, section.split(".")):
+            holder = holder.get(key) if isinstance(holder, dict) else None
+        if isinstance(holder, dict):
+            wrong += [f"{section}.{key} ({_type_names(kind_)})".lstrip(".")
+                      for key, kind_ in fields.items() if not isinstance(holder.get(key), kind_)]
+    if isinstance(document.get("runs"), list):
+        wrong += [f"runs[{i}] (an object with {', '.join(schema['run'])})"
+                  for i, run in enumerate(document["runs"])
+                  if not (isinstance(run, dict) and all(isinstance(run.get(key), kind_)
+                                                        for key, kind_ in schema["run"].items()))][:3]
+    if wrong:
+        raise ValueError(f"{path} is not {kind}: it lacks or mistypes {', '.join(wrong)}")
+    return document
+
+
+def _type_names(kind) -> str:
+    return " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+
+
 def load_study(path: str | Path) -> tuple[dict, "pandas.DataFrame"]:
-    """(document, runs table): the JSON document and one row per run (its scalar fields; the
-    per-layer values and curves stay in ``document["runs"]``, in the same order)."""
-    return study_table(json.loads(Path(path).read_text()))
+    """(document, runs table): the JSON document (:func:`read_study`) and one row per run (its
+    scalar fields; the per-layer values and curves stay in ``document["runs"]``, in the same
+    order)."""
+    return study_table(read_study(path))
 
 
 def load_init_probe(path: str | Path) -> tuple[dict, "pandas.DataFrame"]:
     """(document, rows table) of a committed init probe (:func:`run_init_probe`)."""
     import pandas as pd
 
-    document = json.loads(Path(path).read_text())
+    document = read_study(path, probe=True)
     return document, pd.DataFrame(document["runs"])
 
 

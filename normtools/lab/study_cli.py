@@ -63,11 +63,12 @@ def add_cli(subparsers):
 
 
 def _run_cli(args) -> int:
+    device = _training_device(args.device)
     torch.set_num_threads(args.threads)
     seeds = range(args.seeds) if args.seeds is not None else None
     suffix = "" if args.size == "cpu" else f"-{args.size}"
     path = Path(args.out or _DEFAULT_DIR / f"{args.study}{suffix}.json")
-    document = studies.run_study(args.study, args.size, seeds, args.device, out=path, max_runs=args.max_runs,
+    document = studies.run_study(args.study, args.size, seeds, device, out=path, max_runs=args.max_runs,
                          shard=args.shard)
     state = "complete" if document["complete"] else "incomplete (rerun the command to resume)"
     print(f"{args.study}: {len(document['runs'])} of {document['conditions']['n_runs']} runs, "
@@ -82,6 +83,18 @@ def _probe_cli(args) -> int:
     print(f"{args.probe}: {len(document['runs'])} rows, {document['conditions']['wall_seconds']} s -> "
           f"{path}, {'complete' if document['complete'] else 'incomplete (rerun to resume)'}")
     return 0
+
+
+def _training_device(name: str) -> str:
+    """The device ``--device NAME`` trains on ("auto": cuda when available, else cpu);
+    ``ValueError`` for one that cannot hold and compute a tensor here (cuda without a GPU,
+    meta), before any training starts."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if name == "auto" else name
+    try:
+        torch.ones(1, device=device).add(1).item()
+    except (RuntimeError, AssertionError, NotImplementedError) as e:
+        raise ValueError(f"--device {name} cannot train here: {e}") from None
+    return device
 
 
 def _shard(text: str) -> tuple[int, int]:
@@ -104,7 +117,7 @@ def _merge_cli(args) -> int:
 def _rerun_cli(args) -> int:
     """``--json``: train here and print (the process the parent pinned). Otherwise train in a
     process held to the committed numeric path and print the comparison."""
-    document = json.loads(Path(args.file).read_text())
+    document = studies.read_study(args.file)
     if args.json:
         torch.set_num_threads(args.threads)
         chosen, record = reproduce.rerun(document, args.variant, args.lr, args.seed)

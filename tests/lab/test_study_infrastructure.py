@@ -5,6 +5,7 @@ embeddings, resumable studies with their provenance, and the same-seed reproduci
 import json
 import math
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -218,3 +219,69 @@ def test_runs_carry_the_commit_their_process_started_at(tmp_path, monkeypatch):
     document = studies.run_study("mini", "test", out=tmp_path / "mini.json")
     started = {run["commit"] for run in document["runs"]}
     assert started == {f"{1:040d}"}  # new_document took the first, run_study the second
+
+
+def _refuse_training(*args, **kwargs):
+    raise AssertionError("trained before the bad input was refused")
+
+
+def test_a_rerun_of_a_configuration_the_study_has_no_run_of_is_refused_before_training(tmp_path,
+                                                                                         monkeypatch):
+    monkeypatch.setitem(studies.STUDIES, "mini", studies.Study(
+        **{**_mini_study().__dict__, "check": {"variant": "b", "lr": 1e-2, "seed": 1}}))
+    path = tmp_path / "mini.json"
+    document = studies.run_study("mini", "test", out=path, max_runs=1)  # ("a", 0.01, 0) alone
+    monkeypatch.setattr(studies, "run_record", _refuse_training)
+    monkeypatch.setattr(reproduce, "subprocess", SimpleNamespace(run=_refuse_training))
+    for variant, lr, seed in [(None, None, None), ("a", None, 7), ("a", None, -5), ("bogus", None, 0),
+                              ("a", 0.5, 0)]:
+        with pytest.raises(ValueError, match=r"no run of .* it has runs of variants \['a'\], "
+                                             r"lrs \[0\.01\], seeds \[0\]"):
+            reproduce.rerun(document, variant, lr, seed)
+        with pytest.raises(ValueError, match="no run of"):
+            reproduce.rerun_on_committed_path(path, variant, lr, seed)
+    assert reproduce.committed_run(document, "a", 0.01, 0) == {"variant": "a", "lr": 0.01, "seed": 0}
+
+
+def test_merge_refuses_a_part_given_twice(tmp_path, monkeypatch):
+    monkeypatch.setitem(studies.STUDIES, "mini", _mini_study())
+    part = tmp_path / "part.json"
+    studies.run_study("mini", "test", out=part, max_runs=1)
+    for paths in ([part, part], [part, tmp_path / "." / "part.json"]):
+        with pytest.raises(ValueError, match="part.json is given twice"):
+            studies.merge_studies(paths)
+
+
+@pytest.mark.parametrize("text", ["[]", "{}", '{"study": "mini", "size": "test"}', "{bad",
+                                  '{"study": "mini", "size": "test", "thresholds": {}, "conditions": '
+                                  '{"model": {}, "seeds": [0], "machine": {}}, "runs": []}'],
+                         ids=["list", "empty", "half", "not_json", "machine_without_fields"])
+def test_a_file_that_is_not_a_study_is_refused_naming_it_before_any_work(text, tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setitem(studies.STUDIES, "mini", _mini_study())
+    monkeypatch.setattr(studies, "run_record", _refuse_training)
+    monkeypatch.setattr(studies, "load_corpus", _refuse_training)
+    monkeypatch.setattr(reproduce, "subprocess", SimpleNamespace(run=_refuse_training))
+    path = tmp_path / "odd.json"
+    path.write_text(text)
+    refusals = [lambda: studies.read_study(path), lambda: studies.run_study("mini", "test", out=path),
+                lambda: studies.merge_studies([path]), lambda: studies.load_study(path),
+                lambda: reproduce.rerun_on_committed_path(path)]
+    if "machine" not in text:  # the last document would do as an init probe's
+        refusals += [lambda: studies.run_init_probe("xiong_wide", out=path),
+                     lambda: studies.load_init_probe(path)]
+    for refusal in refusals:
+        with pytest.raises(ValueError, match=r"odd\.json is not (a study|an init probe|JSON)"):
+            refusal()
+
+
+@pytest.mark.parametrize("device", ["meta", "cuda:99"])
+def test_lab_run_refuses_a_device_that_cannot_train_here_before_training(device, tmp_path,
+                                                                        monkeypatch, capsys):
+    from normtools.cli import main
+
+    monkeypatch.setattr(studies, "run_study", _refuse_training)
+    assert main(["lab", "run", "placements", "--size", "test", "--device", device,
+                 "--out", str(tmp_path / "p.json")]) == 2
+    error = capsys.readouterr().err
+    assert f"error: --device {device} cannot train here" in error and "internal" not in error
