@@ -3,7 +3,7 @@ function per placement, in ``blocks``; one built from a norm card, ``tinylm_from
 chain of amplifiers with and without a leveller (``amplifier_chain``), the text it trains on
 (``data``), depth probes (``probes``), the training loop and its measures (``train``), the
 stability grid (``grid``), the designs of chapter 7 (``designs``), the committed studies
-(``studies``), their reproducibility check (``reproduce``) and command (``study_cli``), and the
+(``studies``) and the reader of their files (``study_files``), their reproducibility check (``reproduce``) and command (``study_cli``), and the
 statistics of their verdicts (``verdicts``). Built on the library
 (``normtools.core``).
 """

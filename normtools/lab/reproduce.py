@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from normtools.lab import studies
+from normtools.lab import studies, study_files
 from normtools.lab.data import load_corpus
 
 #: Relative tolerance of :func:`compare_rerun`'s reproducibility check, per metric: a re-run of
@@ -89,10 +89,10 @@ def rerun_on_committed_path(path: str | Path, variant: str | None = None, lr: fl
     tolerance, while on the committed path it is reproduced exactly. Returns (the configuration
     chosen, the re-run's record, the ATen capability the process ran with: the committed one
     unless this CPU lacks it). The study and the configuration are checked
-    (:func:`studies.read_study`, :func:`committed_run`) before the process starts; if it fails
+    (:func:`study_files.read_study`, :func:`committed_run`) before the process starts; if it fails
     all the same, ``RuntimeError`` with the last line of its message."""
     path = Path(path)
-    document = studies.read_study(path)
+    document = study_files.read_study(path)
     committed_run(document, variant, lr, seed)
     machine = document["conditions"]["machine"]
     argv = [sys.executable, "-m", "normtools", "lab", "rerun", str(path), "--json",

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from normtools.core.command_line import device_name, positive_int
-from normtools.lab import grid, reproduce, studies
+from normtools.lab import grid, reproduce, studies, study_files
 
 #: Where ``normtools lab run`` writes a study by default (relative to the repository root).
 _DEFAULT_DIR = Path("book") / "data" / "studies"
@@ -117,7 +117,7 @@ def _merge_cli(args) -> int:
 def _rerun_cli(args) -> int:
     """``--json``: train here and print (the process the parent pinned). Otherwise train in a
     process held to the committed numeric path and print the comparison."""
-    document = studies.read_study(args.file)
+    document = study_files.read_study(args.file)
     if args.json:
         torch.set_num_threads(args.threads)
         chosen, record = reproduce.rerun(document, args.variant, args.lr, args.seed)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from normtools.lab import reproduce, studies
+from normtools.lab import reproduce, studies, study_files
 from normtools.lab.data import load_corpus
 from normtools.lab.tinylm import TinyLM, TinyLMConfig
 from normtools.lab.train import _make_optimizer, evaluate
@@ -264,7 +264,7 @@ def test_a_file_that_is_not_a_study_is_refused_naming_it_before_any_work(text, t
     monkeypatch.setattr(reproduce, "subprocess", SimpleNamespace(run=_refuse_training))
     path = tmp_path / "odd.json"
     path.write_text(text)
-    refusals = [lambda: studies.read_study(path), lambda: studies.run_study("mini", "test", out=path),
+    refusals = [lambda: study_files.read_study(path), lambda: studies.run_study("mini", "test", out=path),
                 lambda: studies.merge_studies([path]), lambda: studies.load_study(path),
                 lambda: reproduce.rerun_on_committed_path(path)]
     if "machine" not in text:  # the last document would do as an init probe's
