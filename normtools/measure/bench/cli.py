@@ -15,7 +15,7 @@ from normtools.measure.bench.backends import default_backends
 from normtools.measure.bench.report import markdown_summary
 from normtools.measure.bench.results import read_results
 from normtools.measure.bench.sweep import run_sweep
-from normtools.measure.bench.timing import _DEFAULT_REPS, _QUICK_REPS, TIMERS, timer_for
+from normtools.measure.bench.timing import TIMERS, sample_counts, timer_for
 
 # --------------------------------------------------------------------------------------- CLI
 
@@ -124,11 +124,7 @@ def _dry_run(args, device, dtype):
         shapes = default_shapes(device, args.quick)
         cases = [Case("sweep", op, shape) for op in args.ops or OPS for shape in shapes[op]]
     backends = args.backends or [b for b, why in default_backends(device).items() if why is None]
-    # the run's own defaults (run_sweep)
-    default_warmup, default_reps = _QUICK_REPS if args.quick \
-        else _DEFAULT_REPS[torch.device(device).type]
-    warmup = default_warmup if args.warmup is None else args.warmup
-    reps = default_reps if args.reps is None else args.reps
+    warmup, reps = sample_counts(device, args.quick, args.warmup, args.reps)   # run_sweep's
     rows = plan_rows(cases, backends, warmup=warmup, reps=reps, budget_s=args.budget_s,
                      dtype=_DTYPES[dtype])
     print(f"dry run: {len(rows)} cases on {device} ({dtype}), backends {', '.join(backends)}; "

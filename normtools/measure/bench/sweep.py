@@ -12,8 +12,9 @@ from normtools.measure.bench.cases import Case, estimate_seconds
 from normtools.measure.bench.peers import Peers
 from normtools.measure.bench.shapes import _DTYPES, BACKENDS, OPS, default_shapes, make_inputs, shape_label
 from normtools.measure.bench.results import _write_json
-from normtools.measure.bench.timing import (_DEFAULT_REPS, _QUICK_REPS, TIMERS, _cache_bytes, _max_abs_diff,
-                                            copy_bandwidth, input_sets, rotating_calls, summarize, time_calls)
+from normtools.measure.bench.timing import (TIMERS, _cache_bytes, _max_abs_diff, copy_bandwidth, input_sets,
+                                            rotating_calls, sample_counts, summarize, time_calls,
+                                            timer_for)
 from normtools.measure.bench.minimum_bytes import bytes_moved
 
 
@@ -121,11 +122,8 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
     did not run.
     """
     device = str(device)
-    kind = torch.device(device).type
     dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    default_warmup, default_reps = _QUICK_REPS if quick else _DEFAULT_REPS[kind]
-    warmup = default_warmup if warmup is None else warmup
-    reps = default_reps if reps is None else reps
+    warmup, reps = sample_counts(device, quick, warmup, reps)
     if set(ops) - set(OPS):
         raise ValueError(f"unknown ops {sorted(set(ops) - set(OPS))}; expected some of {list(OPS)}")
     if cases is None:
@@ -157,7 +155,7 @@ def run_sweep(device="cpu", dtype=torch.float32, *, ops=OPS, backends=None, shap
             "rotate_buffers": "input sets rotated until they total ≥ 2× cache_bytes (≥ 4 sets, "
                               "capped by memory); per-row count in n_buffer_sets; rows with "
                               "cache 'warm' call one input set again and again",
-            "timer": TIMERS[timer or ("events" if kind == "cuda" else "wall")],
+            "timer": TIMERS[timer_for(device, timer)],
             "processes": processes,
             "concurrency": ("one process, one stream" if processes == 1 else
                             f"{processes} processes at once on each case (one stream each), "

@@ -17,6 +17,13 @@ _COPY_BYTES = {"cuda": 2**30, "cpu": 128 * 2**20}
 # (warm-up samples, samples); ≥ 300 samples on CUDA, so that the p99 rests on three of them
 _DEFAULT_REPS = {"cuda": (10, 300), "cpu": (5, 30)}
 _QUICK_REPS = (1, 3)
+
+
+def sample_counts(device, quick=False, warmup=None, reps=None):
+    """(warm-up samples, samples) of a run on ``device``: ``warmup`` and ``reps`` where given,
+    else the defaults of the device, or of a ``quick`` run."""
+    default_warmup, default_reps = _QUICK_REPS if quick else _DEFAULT_REPS[torch.device(device).type]
+    return (default_warmup if warmup is None else warmup, default_reps if reps is None else reps)
 # ------------------------------------------------------------------------------------ timing
 
 def _cache_bytes(device):
@@ -179,13 +186,11 @@ def copy_bandwidth(device, nbytes=None, warmup=None, reps=None, timer=None):
     """
     kind = torch.device(device).type
     nbytes = nbytes or _COPY_BYTES[kind]
-    default_warmup, default_reps = _DEFAULT_REPS[kind]
     g = torch.Generator(device=device).manual_seed(0)
     src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=g, device=device)
     dst = torch.empty_like(src)
     times, _ = time_calls([lambda: dst.copy_(src)], device,
-                          default_warmup if warmup is None else warmup,
-                          default_reps if reps is None else reps, timer)
+                          *sample_counts(device, warmup=warmup, reps=reps), timer)
     stats = summarize(times)
     return 2 * nbytes / (stats["p50_us"] * 1e3), {"bytes": 2 * nbytes, **stats}
 
