@@ -75,15 +75,6 @@ def _check_rope_tables(cos, sin, q, head_dim, token_shape):
         raise ValueError(f"RoPE rotates pairs of channels: head_dim must be even, got {head_dim}")
 
 
-def _tables_fit(cos, sin, q, head_dim, token_shape):
-    """Whether ``_check_rope_tables`` takes cos and sin for q's tokens ``token_shape``."""
-    try:
-        _check_rope_tables(cos, sin, q, head_dim, token_shape)
-    except ValueError:
-        return False
-    return True
-
-
 def _dtypes(x_dtype, weight_dtype, casting, table_dtype, cast_back):
     """(norm output dtype, dtype the rotation is computed in, result dtype)."""
     norm_dtype = rms_norm_output_dtype(x_dtype, weight_dtype, casting)
@@ -388,14 +379,19 @@ def qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=1e-6, *, head_dim, scop
         raise TypeError(f"cast_back must be True or False, got {cast_back!r}")
     headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset,
                                    casting, backend)
-    if headed and not _tables_fit(cos, sin, q, head_dim, q.shape[:-2]):
-        try:    # one head per token in the flat layout, if its tokens are the tables'
-            headed, _, _ = check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope,
-                                           offset, casting, backend, layouts=(False,))
-        except ValueError:
-            pass    # not that either: the tables' error below says what does not fit
     token_shape = q.shape[:-2] if headed else q.shape[:-1]
-    _check_rope_tables(cos, sin, q, head_dim, token_shape)
+    try:
+        _check_rope_tables(cos, sin, q, head_dim, token_shape)
+    except ValueError as tables_error:
+        if not headed:
+            raise
+        try:    # one head per token in the flat layout, if its tokens are the tables'
+            check_qk_inputs(q, k, q_weight, k_weight, eps, head_dim, scope, offset, casting,
+                            backend, layouts=(False,))
+        except ValueError:
+            raise tables_error from None    # not that either: the tables do not fit
+        headed, token_shape = False, q.shape[:-1]
+        _check_rope_tables(cos, sin, q, head_dim, token_shape)
     if runs_torch_math(q, backend):
         return _torch_qk_norm_rope(q, k, q_weight, k_weight, cos.unsqueeze(-2), sin.unsqueeze(-2),
                                    float(eps), head_dim, headed, scope == "per_layer",
